@@ -1,0 +1,152 @@
+"""Chunk wire/disk format: a fixed 256-byte versioned header, then the raw KV payload.
+
+Header (little endian)::
+
+    magic "TKVC" | version u16 | header_len u16 | flags u32
+    fingerprint 16s | key 16s | num_tokens u32 | block_size u32
+    dtype 16s | kv_layout 8s | ndim u8 | pad 7 | shape 8*u64
+    payload_len u64 | payload_xxh3 u64 | ... zero pad ... | header_xxh32 u32 (last 4 bytes)
+
+The payload checksum is xxh3-64 (tens of GB/s); the header has its own checksum so a
+flipped bit in the shape or length is caught before the payload is trusted. Decoding
+returns a ``memoryview`` into the caller's buffer: no copy, no per-element work.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import xxhash
+
+MAGIC = b"TKVC"
+VERSION = 1
+HEADER_SIZE = 256
+MAX_DIMS = 8
+
+_FIXED = struct.Struct("<4sHHI16s16sII16s8sB7x8QQQ")
+assert _FIXED.size + 4 <= HEADER_SIZE
+_HCRC = struct.Struct("<I")
+
+
+class ChunkError(Exception):
+    """A stored chunk cannot be used. Callers treat it as a miss."""
+
+
+class ChunkCorrupt(ChunkError):
+    """Truncated, bad magic, bad checksum: the bytes are damaged."""
+
+
+class ChunkMismatch(ChunkError):
+    """Intact, but for another key, model fingerprint or KV layout."""
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    key: str  # 32 hex chars
+    fingerprint: bytes  # 16 bytes
+    num_tokens: int
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = field(default_factory=tuple)
+    kv_layout: str = ""
+    block_size: int = 0
+
+
+def _fit(s: str, n: int, what: str) -> bytes:
+    b = s.encode()
+    if len(b) > n:
+        raise ValueError(f"{what} {s!r} longer than {n} bytes")
+    return b
+
+
+def pack_header(meta: ChunkMeta, payload: bytes | bytearray | memoryview) -> bytes:
+    if len(meta.shape) > MAX_DIMS:
+        raise ValueError(f"at most {MAX_DIMS} dims, got {len(meta.shape)}")
+    if len(meta.fingerprint) != 16:
+        raise ValueError("fingerprint must be 16 bytes")
+    shape = list(meta.shape) + [0] * (MAX_DIMS - len(meta.shape))
+    payload_len = memoryview(payload).nbytes
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        HEADER_SIZE,
+        0,
+        meta.fingerprint,
+        bytes.fromhex(meta.key),
+        meta.num_tokens,
+        meta.block_size,
+        _fit(meta.dtype, 16, "dtype"),
+        _fit(meta.kv_layout, 8, "kv_layout"),
+        len(meta.shape),
+        *shape,
+        payload_len,
+        xxhash.xxh3_64_intdigest(payload),
+    )
+    body = fixed + b"\0" * (HEADER_SIZE - 4 - len(fixed))
+    return body + _HCRC.pack(xxhash.xxh32_intdigest(body))
+
+
+def encode(meta: ChunkMeta, payload: bytes | bytearray | memoryview) -> bytes:
+    """Header plus payload as one buffer (one copy of the payload)."""
+    return pack_header(meta, payload) + bytes(memoryview(payload).cast("B"))
+
+
+def encoded_size(payload_len: int) -> int:
+    return HEADER_SIZE + payload_len
+
+
+def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, int, int]:
+    """Validate and parse the header. Returns (meta, payload_len, payload_checksum)."""
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes < HEADER_SIZE:
+        raise ChunkCorrupt(f"truncated header: {mv.nbytes} < {HEADER_SIZE} bytes")
+    body = mv[: HEADER_SIZE - 4]
+    (hcrc,) = _HCRC.unpack(mv[HEADER_SIZE - 4 : HEADER_SIZE])
+    if bytes(mv[:4]) != MAGIC:
+        raise ChunkCorrupt("bad magic")
+    if xxhash.xxh32_intdigest(body) != hcrc:
+        raise ChunkCorrupt("header checksum mismatch")
+    f = _FIXED.unpack(body[: _FIXED.size])
+    _, version, hlen, _flags, fp, key, ntok, bsz, dtype, layout, ndim = f[:11]
+    shape = f[11 : 11 + MAX_DIMS]
+    payload_len, checksum = f[11 + MAX_DIMS], f[12 + MAX_DIMS]
+    if version != VERSION or hlen != HEADER_SIZE:
+        raise ChunkCorrupt(f"unsupported chunk version {version} (header {hlen})")
+    if ndim > MAX_DIMS:
+        raise ChunkCorrupt(f"bad ndim {ndim}")
+    meta = ChunkMeta(
+        key=key.hex(),
+        fingerprint=fp,
+        num_tokens=ntok,
+        dtype=dtype.rstrip(b"\0").decode(),
+        shape=tuple(shape[:ndim]),
+        kv_layout=layout.rstrip(b"\0").decode(),
+        block_size=bsz,
+    )
+    return meta, payload_len, checksum
+
+
+def decode(
+    buf: bytes | bytearray | memoryview,
+    *,
+    expect_key: str | None = None,
+    expect_fingerprint: bytes | None = None,
+    verify_payload: bool = True,
+) -> tuple[ChunkMeta, memoryview]:
+    """Verify a whole chunk and return (meta, payload view). Raises ``ChunkError``."""
+    mv = memoryview(buf).cast("B")
+    meta, payload_len, checksum = parse_header(mv)
+    if mv.nbytes != HEADER_SIZE + payload_len:
+        raise ChunkCorrupt(
+            f"size mismatch: have {mv.nbytes} bytes, header says {HEADER_SIZE + payload_len}"
+        )
+    payload = mv[HEADER_SIZE:]
+    if verify_payload and xxhash.xxh3_64_intdigest(payload) != checksum:
+        raise ChunkCorrupt("payload checksum mismatch")
+    if expect_key is not None and meta.key != expect_key:
+        raise ChunkMismatch(f"chunk is for key {meta.key}, expected {expect_key}")
+    if expect_fingerprint is not None and meta.fingerprint != expect_fingerprint:
+        raise ChunkMismatch(
+            f"chunk fingerprint {meta.fingerprint.hex()} != expected {expect_fingerprint.hex()}"
+        )
+    return meta, payload
