@@ -1,0 +1,64 @@
+"""Prometheus metrics (``tiered_cache_*``, base units, ``_total`` counters).
+
+Each store/agent/connector owns a ``Metrics`` with its own registry so tests and several
+in-process components never collide; the agent exposes its registry on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        p = "tiered_cache_"
+        self.lookups = Counter(p + "lookups", "Chunk lookups", ["tier"], registry=r)
+        self.hits = Counter(p + "hits", "Chunk hits", ["tier"], registry=r)
+        self.misses = Counter(p + "misses", "Chunk misses", ["tier"], registry=r)
+        self.hit_tokens = Counter(p + "hit_tokens", "Tokens served from a tier", ["tier"], registry=r)
+        self.bytes_read = Counter(p + "read_bytes", "Bytes read", ["tier"], registry=r)
+        self.bytes_written = Counter(p + "written_bytes", "Bytes written", ["tier"], registry=r)
+        self.load_seconds = Histogram(
+            p + "load_seconds", "Chunk load latency", ["tier"], buckets=_LAT_BUCKETS, registry=r
+        )
+        self.store_seconds = Histogram(
+            p + "store_seconds", "Chunk store latency", ["tier"], buckets=_LAT_BUCKETS, registry=r
+        )
+        self.evictions = Counter(
+            p + "evictions", "Chunks evicted", ["tier", "reason"], registry=r
+        )
+        self.admission_rejects = Counter(
+            p + "admission_rejects", "Writes refused by admission", ["tier"], registry=r
+        )
+        self.write_errors = Counter(
+            p + "write_errors", "Writes that failed (full, I/O)", ["tier", "reason"], registry=r
+        )
+        self.read_errors = Counter(p + "read_errors", "Reads that failed (I/O)", ["tier"], registry=r)
+        self.verification_failures = Counter(
+            p + "verification_failures", "Chunks that failed verification", ["tier"], registry=r
+        )
+        self.pinned_bytes = Gauge(p + "pinned_bytes", "Pinned bytes", ["tier"], registry=r)
+        self.used_bytes = Gauge(p + "used_bytes", "Bytes used", ["tier"], registry=r)
+        self.capacity_bytes = Gauge(p + "capacity_bytes", "Capacity", ["tier"], registry=r)
+        self.directory_errors = Counter(
+            p + "directory_errors", "Directory operations that failed", ["op"], registry=r
+        )
+        self.directory_dropped_updates = Counter(
+            p + "directory_dropped_updates", "Directory updates dropped", registry=r
+        )
+        self.recompute_fallbacks = Counter(
+            p + "recompute_fallbacks", "Loads that fell back to recompute", ["reason"], registry=r
+        )
+        self.peer_transfers = Counter(
+            p + "peer_transfers", "Chunks moved between nodes", ["direction"], registry=r
+        )
+        self.s3_retries = Counter(p + "s3_retries", "S3 requests retried", registry=r)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current sample value (for tests and the CLI); 0 when never set."""
+        v = self.registry.get_sample_value(name, labels or None)
+        return float(v) if v is not None else 0.0
