@@ -1,65 +1,226 @@
-"""Open a ChunkStore for a connector from its ``kv_connector_extra_config``.
+"""Connector-side access to the node's cache: an ``AgentClient`` over the agent's unix
+socket, with chunk bytes moved through the shared-memory DRAM pool.
 
-PROVISIONAL: until the embedded hierarchy and agent client land, ``open_store`` serves a
-plain directory of encoded chunks (``store_dir``). The signature is the stable contract.
+``open_store(extra_config)`` connects to the node agent; when none is running (and
+``embedded`` allows it) it starts one inside this process, so a single vLLM instance works
+with no extra process. Every chunk handed to the caller has been verified against its key
+and the model fingerprint; anything else is a miss.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
-import tempfile
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+import socket
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tiered_cache import codec
-from tiered_cache.api import ChunkStore, PayloadLike
+from tiered_cache.api import PayloadLike
 from tiered_cache.codec import ChunkMeta
+from tiered_cache.config import CacheConfig, load_config
+from tiered_cache.ipc import IPCError, call_sync
+
+log = logging.getLogger(__name__)
+
+# Called with (index in request, meta, payload view) while the slot is leased: copy out now.
+Sink = Callable[[int, ChunkMeta, memoryview], None]
 
 
-class _DirStore:
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+class AgentClient:
+    """ChunkStore backed by a node agent. Thread-safe (one request at a time)."""
 
-    def _p(self, key: str) -> Path:
-        return self.root / f"{key}.kvc"
+    def __init__(self, socket_path: str, *, verify_payload: bool = True, timeout: float = 60.0):
+        from tiered_cache.tiers.dram import attach_shm, maybe_pin_host_memory
+
+        self.socket_path = socket_path
+        self.verify_payload = verify_payload
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        self._sock.connect(socket_path)
+        hello = self._call({"op": "hello"})
+        self.node_id: str = hello["node_id"]
+        self.tiers: list[str] = hello["tiers"]
+        self.slot_bytes: int = hello["slot_bytes"]
+        self._shm = attach_shm(hello["shm_name"]) if hello.get("shm_name") else None
+        self._buf = memoryview(self._shm.buf) if self._shm is not None else None
+        if self._buf is not None:
+            maybe_pin_host_memory(self._buf)
+
+    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            return call_sync(self._sock, msg)
+
+    def _slot(self, slot: int, length: int) -> memoryview:
+        assert self._buf is not None
+        off = slot * self.slot_bytes
+        return self._buf[off : off + length]
+
+    # -- ChunkStore
 
     def lookup(self, keys: Sequence[str]) -> list[str]:
-        out: list[str] = []
-        for k in keys:
-            if not self._p(k).exists():
-                break
-            out.append("nvme")
-        return out
+        if not keys:
+            return []
+        return list(self._call({"op": "lookup", "keys": list(keys)})["sources"])
+
+    def load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> list[bool]:
+        """Verify each chunk and hand it to ``sink`` straight from shared memory.
+        Returns which keys were delivered; the rest are misses."""
+        if not keys:
+            return []
+        items = self._call({"op": "get", "keys": list(keys), "fp": fingerprint})["items"]
+        ok = [False] * len(keys)
+        leased: list[int] = []
+        try:
+            for i, (key, item) in enumerate(zip(keys, items, strict=True)):
+                if item is None:
+                    continue
+                if "slot" in item:
+                    leased.append(item["slot"])
+                    raw: PayloadLike = self._slot(item["slot"], item["len"])
+                else:
+                    raw = item["data"]
+                try:
+                    meta, payload = codec.decode(
+                        raw,
+                        expect_key=key,
+                        expect_fingerprint=fingerprint,
+                        verify_payload=self.verify_payload,
+                    )
+                except codec.ChunkError as e:
+                    log.warning("chunk %s failed verification: %s", key, e)
+                    continue
+                sink(i, meta, payload)
+                ok[i] = True
+        finally:
+            if leased:
+                self._call({"op": "release", "slots": leased})
+        return ok
 
     def get_many(
         self, keys: Sequence[str], fingerprint: bytes
     ) -> list[tuple[ChunkMeta, memoryview] | None]:
-        res: list[tuple[ChunkMeta, memoryview] | None] = []
-        for k in keys:
-            try:
-                raw = self._p(k).read_bytes()
-                res.append(codec.decode(raw, expect_key=k, expect_fingerprint=fingerprint))
-            except (OSError, codec.ChunkError):
-                res.append(None)
-        return res
+        out: list[tuple[ChunkMeta, memoryview] | None] = [None] * len(keys)
 
-    def put_many(self, items: Sequence[tuple[ChunkMeta, PayloadLike]]) -> None:
-        for meta, payload in items:
-            fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(codec.pack_header(meta, payload))
-                f.write(payload)
-            os.replace(tmp, self._p(meta.key))
+        def keep(i: int, meta: ChunkMeta, payload: memoryview) -> None:
+            out[i] = (meta, memoryview(bytearray(payload)))
+
+        self.load_many(keys, fingerprint, keep)
+        return out
+
+    def put_many(
+        self, items: Sequence[tuple[ChunkMeta, PayloadLike]], *, wait: bool = False,
+        parents: Sequence[str | None] | None = None,
+    ) -> None:
+        if not items:
+            return
+        payloads = [memoryview(p).cast("B") for _, p in items]
+        sizes = [codec.HEADER_SIZE + p.nbytes for p in payloads]
+        slots: list[int | None] = (
+            self._call({"op": "reserve", "sizes": sizes})["slots"]
+            if self._buf is not None
+            else [None] * len(items)
+        )
+        commits: list[list[Any]] = []
+        try:
+            for i, ((meta, _), payload, slot) in enumerate(zip(items, payloads, slots, strict=True)):
+                parent = parents[i] if parents else None
+                if slot is None:  # no room in DRAM (or too large): inline copy to the agent
+                    self._call(
+                        {"op": "put", "key": meta.key, "data": codec.encode(meta, payload),
+                         "wait": wait}
+                    )
+                    continue
+                dst = self._slot(slot, sizes[i])
+                dst[: codec.HEADER_SIZE] = codec.pack_header(meta, payload)
+                dst[codec.HEADER_SIZE :] = payload
+                commits.append([meta.key, slot, sizes[i], parent, i])
+        except BaseException:
+            self._call({"op": "abort", "slots": [s for s in slots if s is not None]})
+            raise
+        if commits:
+            self._call({"op": "commit", "items": commits, "wait": wait})
+
+    def admin(self, op: str, **kw: Any) -> dict[str, Any]:
+        return self._call({"op": op, **kw})
 
     def close(self) -> None:
-        pass
+        try:
+            self._sock.close()
+        finally:
+            if self._buf is not None:
+                self._buf.release()
+                self._buf = None
+            if self._shm is not None:
+                self._shm.close()
+                self._shm = None
 
 
-def open_store(extra_config: Mapping[str, Any]) -> ChunkStore:
-    """ChunkStore for a connector. Keys: ``store_dir`` (provisional)."""
-    d = extra_config.get("store_dir")
-    if not d:
-        raise ValueError("kv_connector_extra_config needs 'store_dir' (provisional store)")
-    return _DirStore(d)
+_embedded: dict[str, Any] = {}
+_embedded_lock = threading.Lock()
+
+
+def config_from_extra(extra_config: Mapping[str, Any]) -> CacheConfig:
+    """Our config from a connector's extra config: ``config_file`` (YAML) or inline
+    ``tiered_cache`` mapping; neither gives the embedded defaults."""
+    if extra_config.get("config_file"):
+        return load_config(str(extra_config["config_file"]))
+    if extra_config.get("store_dir"):
+        # Shorthand for tests and demos: DRAM plus a write-through NVMe directory, with
+        # the agent socket and pool named after the directory so processes share them.
+        d = os.path.abspath(str(extra_config["store_dir"]))
+        tag = hashlib.sha256(d.encode()).hexdigest()[:10]
+        return load_config(
+            {
+                "node_id": f"local-{tag}",
+                "dram": {"capacity": extra_config.get("dram_capacity", "256MiB"),
+                         "slot_bytes": extra_config.get("slot_bytes", "8MiB")},
+                "nvme": {"enabled": True, "path": d, "capacity": "4GiB",
+                         "write_mode": "write_through"},
+                "agent": {"socket": os.path.join(d, "agent.sock")},
+            }
+        )
+    inline = extra_config.get("tiered_cache")
+    return load_config(dict(inline) if inline else None)
+
+
+def connect(cfg: CacheConfig, *, embedded: str = "auto", verify_payload: bool = True) -> AgentClient:
+    """Client for ``cfg``'s node agent; start one in-process if allowed and none runs."""
+    path = cfg.socket_path
+    try:
+        return AgentClient(path, verify_payload=verify_payload)
+    except (FileNotFoundError, ConnectionRefusedError, IPCError, OSError):
+        if embedded == "never":
+            raise
+    from tiered_cache.agent import EmbeddedAgent
+
+    with _embedded_lock:
+        if path not in _embedded:
+            log.info("no node agent at %s: starting an embedded one", path)
+            _embedded[path] = EmbeddedAgent(cfg)
+    return AgentClient(path, verify_payload=verify_payload)
+
+
+def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
+    """ChunkStore for a connector. Keys: ``config_file``, ``tiered_cache`` (inline),
+    ``embedded`` (auto|never), ``verify_dram_reads`` (default true)."""
+    cfg = config_from_extra(extra_config)
+    sock = extra_config.get("agent_socket")
+    if sock:
+        cfg = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"socket": sock})})
+    return connect(
+        cfg,
+        embedded=str(extra_config.get("embedded", "auto")),
+        verify_payload=bool(extra_config.get("verify_dram_reads", True)),
+    )
+
+
+def shutdown_embedded() -> None:
+    with _embedded_lock:
+        for agent in _embedded.values():
+            agent.stop()
+        _embedded.clear()
+

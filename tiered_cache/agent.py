@@ -1,0 +1,537 @@
+"""The node agent: owns a node's DRAM pool, NVMe directory and S3 client.
+
+- Local vLLM processes talk to it over a unix socket (``ipc`` frames) and move chunk bytes
+  through the shared-memory DRAM pool; the agent only hands out slot numbers and leases.
+- Peers pull chunks from its DRAM and NVMe over TCP (``peer_port``).
+- Background loops keep the directory current (heartbeat, location refresh, pin sync,
+  per-tier counters) and log one usage line a minute.
+- SIGTERM: stop accepting, write back dirty DRAM chunks, flush lower-tier writes, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections import Counter as CounterT
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies import EntryInfo, make_admission, make_eviction
+from tiered_cache import codec
+from tiered_cache.config import CacheConfig
+from tiered_cache.directory import Directory, LocalDirectory, Pin, RedisDirectory
+from tiered_cache.hierarchy import Hit, PinRefused, TieredStore, TierSlot
+from tiered_cache.ipc import pack, read_msg
+from tiered_cache.metrics import Metrics
+from tiered_cache.tiers.base import Tier
+
+log = logging.getLogger("tiered_cache.agent")
+
+
+def _policy_kwargs(p: Any) -> dict[str, Any]:
+    return {"k": p.admission_k} if p.admission.lower() == "frequency" else {}
+
+
+def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True) -> list[TierSlot]:
+    from tiered_cache.tiers.dram import DRAMTier
+
+    slots: list[TierSlot] = []
+    tiers: list[tuple[Any, Tier]] = []
+    if cfg.dram.enabled:
+        tiers.append(
+            (
+                cfg.dram,
+                DRAMTier(
+                    cfg.dram.capacity,
+                    cfg.dram.slot_bytes,
+                    shm_name=cfg.dram_shm_name,
+                    recover=recover_dram,
+                ),
+            )
+        )
+    if cfg.nvme.enabled:
+        from tiered_cache.tiers.nvme import NVMeTier
+
+        tiers.append(
+            (
+                cfg.nvme,
+                NVMeTier(
+                    cfg.nvme.path,
+                    cfg.nvme.capacity,
+                    max_concurrency=cfg.nvme.max_concurrency,
+                    o_direct=cfg.nvme.o_direct,
+                    metrics=metrics,
+                ),
+            )
+        )
+    if cfg.s3.enabled:
+        from tiered_cache.tiers.s3 import S3Tier
+
+        tiers.append(
+            (
+                cfg.s3,
+                S3Tier.from_url(
+                    cfg.s3.url,
+                    endpoint_url=cfg.s3.endpoint_url,
+                    region=cfg.s3.region,
+                    capacity_bytes=cfg.s3.capacity,
+                    max_concurrency=cfg.s3.max_concurrency,
+                    connect_timeout=cfg.s3.connect_timeout_s,
+                    read_timeout=cfg.s3.read_timeout_s,
+                    max_attempts=cfg.s3.max_attempts,
+                    metrics=metrics,
+                ),
+            )
+        )
+    for tc, tier in tiers:
+        slots.append(
+            TierSlot(
+                tier=tier,
+                eviction=make_eviction(tc.eviction),
+                admission=make_admission(tc.admission, **_policy_kwargs(tc)),
+                write_mode=getattr(tc, "write_mode", "write_back"),
+                pin_budget_fraction=tc.pin_budget_fraction,
+            )
+        )
+    return slots
+
+
+def build_directory(cfg: CacheConfig, metrics: Metrics) -> Directory:
+    if cfg.redis_url:
+        return RedisDirectory.from_url(cfg.redis_url, metrics=metrics)
+    return LocalDirectory()
+
+
+@dataclass
+class _Conn:
+    leases: CounterT[int] = field(default_factory=CounterT)
+    reserved: set[int] = field(default_factory=set)
+
+
+class NodeAgent:
+    def __init__(self, cfg: CacheConfig, *, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.directory = build_directory(cfg, self.metrics)
+        self.store = TieredStore(
+            build_tiers(cfg, self.metrics),
+            node_id=cfg.node_id,
+            directory=self.directory,
+            metrics=self.metrics,
+            location_ttl_s=cfg.location_ttl_s,
+            verify_dram=cfg.dram.verify_reads,
+            peer_fetch=self._peer_fetch,
+        )
+        self._servers: list[asyncio.base_events.Server] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self._pins_version = -1
+        self.peer_address: tuple[str, int] | None = None
+        self._peer_conns: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._counted: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        path = self.cfg.socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        srv = await asyncio.start_unix_server(self._serve_local, path=path)
+        os.chmod(path, 0o660)
+        self._servers.append(srv)
+        if self.cfg.agent.peer_port is not None:
+            psrv = await asyncio.start_server(
+                self._serve_peer, self.cfg.agent.peer_host, self.cfg.agent.peer_port
+            )
+            self._servers.append(psrv)
+            sockname = psrv.sockets[0].getsockname()
+            self.peer_address = (sockname[0], int(sockname[1]))
+        if self.cfg.agent.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.cfg.agent.metrics_port, registry=self.metrics.registry)
+        await self._heartbeat()
+        await self._sync_pins()
+        await self.store.republish()
+        for fn, every in (
+            (self._heartbeat, max(1.0, self.cfg.heartbeat_ttl_s / 3)),
+            (self._sync_pins, self.cfg.agent.pin_sync_interval_s),
+            (self._log_usage, self.cfg.agent.usage_log_interval_s),
+            (self.store.republish, self.cfg.location_ttl_s / 2),
+            (self._push_counters, 5.0),
+        ):
+            self._tasks.append(asyncio.ensure_future(self._every(fn, every)))
+        log.info(
+            "agent %s up: socket %s, peer %s, tiers %s",
+            self.cfg.node_id, path, self.peer_address, [s.name for s in self.store.slots],
+        )
+
+    async def _every(self, fn: Callable[[], Any], interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:
+                log.exception("periodic task %s failed", getattr(fn, "__name__", fn))
+
+    async def stop(self) -> None:
+        for srv in self._servers:
+            srv.close()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.write_back_dirty()
+        await self.store.flush()
+        await self._push_counters()
+        for _, w in self._peer_conns.values():
+            w.close()
+        await self.store.close()
+        await self.directory.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.cfg.socket_path)
+        self._stopped.set()
+
+    async def write_back_dirty(self) -> int:
+        """Copy DRAM chunks that only live in DRAM down to the next write-back tier."""
+        if len(self.store.slots) < 2:
+            return 0
+        top, below = self.store.slots[0], self.store.slots[1]
+        keys = [k for k, _ in top.tier.entries()]
+        if not keys:
+            return 0
+        present = await below.tier.contains_many(keys)
+        n = 0
+        for k, there in zip(keys, present, strict=True):
+            if there:
+                continue
+            raw = await top.tier.get(k)
+            if raw is not None and await self.store._write_tier(below, k, raw, demotion=True):
+                n += 1
+        if n:
+            log.info("wrote back %d DRAM chunks to %s", n, below.name)
+        return n
+
+    async def run_forever(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+        await self._stopped.wait()
+
+    # ---------------------------------------------------------------- background
+
+    async def _heartbeat(self) -> None:
+        info = {
+            "tiers": self.store.usage(),
+            "peer": list(self.peer_address) if self.peer_address else None,
+            "pid": os.getpid(),
+        }
+        await self.directory.heartbeat(self.cfg.node_id, info, self.cfg.heartbeat_ttl_s)
+
+    async def _sync_pins(self) -> None:
+        v = await self.directory.pins_version()
+        if v == self._pins_version:
+            return
+        pins = await self.directory.list_pins()
+        self.store.apply_pins(pins)
+        self._pins_version = v
+
+    async def _log_usage(self) -> None:
+        parts = []
+        for name, u in self.store.usage().items():
+            cap = u["capacity_bytes"]
+            used = u["used_bytes"] or 0
+            pct = f"{100 * used / cap:.0f}%" if cap else "unbounded"
+            parts.append(f"{name} {used / 2**20:.1f}MiB/{pct} {u['chunks']} chunks")
+        log.info("usage: %s", "; ".join(parts))
+
+    async def _push_counters(self) -> None:
+        deltas: dict[str, int] = {}
+        for fam in ("hits", "misses"):
+            metric = getattr(self.metrics, fam)
+            for sample in metric.collect()[0].samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                name = f"{sample.labels['tier']}:{fam}"
+                d = int(sample.value - self._counted.get(name, 0.0))
+                if d:
+                    deltas[name] = d
+                    self._counted[name] = sample.value
+        if deltas:
+            await self.directory.incr_counters(self.cfg.node_id, deltas)
+
+    # ---------------------------------------------------------------- peers
+
+    async def _peer_fetch(self, key: str, node_id: str) -> bytes | None:
+        nodes = await self.directory.nodes()
+        info = nodes.get(node_id)
+        if not info or not info.get("peer"):
+            return None
+        host, port = info["peer"]
+        lock = self._peer_locks.setdefault(node_id, asyncio.Lock())
+        async with lock:
+            conn = self._peer_conns.get(node_id)
+            for attempt in (0, 1):
+                try:
+                    if conn is None:
+                        conn = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
+                        self._peer_conns[node_id] = conn
+                    r, w = conn
+                    w.write(pack({"op": "fetch", "key": key}))
+                    await w.drain()
+                    msg = await asyncio.wait_for(read_msg(r), 30.0)
+                    if msg is None:
+                        raise ConnectionError("peer closed")
+                    data = msg.get("data")
+                    if data is not None:
+                        self.metrics.peer_transfers.labels("in_bytes").inc(len(data))
+                    return data if isinstance(data, bytes) else None
+                except (OSError, asyncio.TimeoutError, ConnectionError):
+                    self._peer_conns.pop(node_id, None)
+                    conn = None
+                    if attempt:
+                        raise
+        return None
+
+    async def _serve_peer(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                msg = await read_msg(r)
+                if msg is None:
+                    break
+                data: bytes | None = None
+                key = msg.get("key")
+                if msg.get("op") == "fetch" and isinstance(key, str):
+                    for slot in self.store.slots:
+                        if slot.name == "s3":
+                            continue  # peers read S3 themselves
+                        if (await slot.tier.contains_many([key]))[0]:
+                            data = await slot.tier.get(key)
+                            if data is not None:
+                                self.metrics.peer_transfers.labels("out").inc()
+                                break
+                w.write(pack({"ok": True, "data": data}))
+                await w.drain()
+        except Exception:
+            log.exception("peer connection failed")
+        finally:
+            w.close()
+
+    # ---------------------------------------------------------------- local clients
+
+    async def _serve_local(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conn = _Conn()
+        try:
+            while True:
+                msg = await read_msg(r)
+                if msg is None:
+                    break
+                try:
+                    reply = await self._dispatch(conn, msg)
+                    reply["ok"] = True
+                except PinRefused as e:
+                    reply = {"ok": False, "error": str(e), "kind": "pin_refused"}
+                except PermissionError as e:
+                    reply = {"ok": False, "error": str(e), "kind": "auth"}
+                except Exception as e:
+                    log.exception("request %s failed", msg.get("op"))
+                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                w.write(pack(reply))
+                await w.drain()
+        finally:
+            # A client that died mid-transfer must not leak slots or leases.
+            for slot, n in conn.leases.items():
+                for _ in range(n):
+                    self.store.release(slot)
+            for slot in conn.reserved:
+                self.store.abort_dram(slot)
+            w.close()
+
+    def _check_admin(self, msg: dict[str, Any]) -> None:
+        token = self.cfg.agent.auth_token
+        if token and msg.get("token") != token:
+            raise PermissionError("admin operation needs the agent's auth token")
+
+    async def _dispatch(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        store = self.store
+        if op == "hello":
+            dram = store.slots[0].tier
+            return {
+                "node_id": self.cfg.node_id,
+                "shm_name": getattr(dram, "shm_name", None),
+                "slot_bytes": getattr(dram, "slot_bytes", 0),
+                "num_slots": getattr(dram, "num_slots", 0),
+                "tiers": [s.name for s in store.slots],
+            }
+        if op == "lookup":
+            return {"sources": await store.lookup(msg["keys"])}
+        if op == "get":
+            fp = msg.get("fp")
+            out: list[Any] = []
+            for key in msg["keys"]:
+                got = await store.lease(key, expect_fingerprint=fp)
+                if got is None:
+                    out.append(None)
+                elif isinstance(got, Hit):
+                    out.append({"data": codec.encode(got.meta, got.payload), "src": got.source})
+                else:
+                    conn.leases[got[0]] += 1
+                    out.append({"slot": got[0], "len": got[1]})
+            return {"items": out}
+        if op == "release":
+            for slot in msg["slots"]:
+                if conn.leases[slot] > 0:
+                    conn.leases[slot] -= 1
+                    store.release(slot)
+            return {}
+        if op == "reserve":
+            slots = []
+            for n in msg["sizes"]:
+                s = await store.reserve_dram(n)
+                if s is not None:
+                    conn.reserved.add(s)
+                slots.append(s)
+            return {"slots": slots}
+        if op == "commit":
+            for key, slot, length, parent, pos in msg["items"]:
+                if slot not in conn.reserved:
+                    raise ValueError(f"slot {slot} was not reserved by this client")
+                conn.reserved.discard(slot)
+                await store.commit_dram(
+                    key, slot, length, info=EntryInfo(parent, pos), wait=bool(msg.get("wait"))
+                )
+            return {}
+        if op == "abort":
+            for slot in msg["slots"]:
+                if slot in conn.reserved:
+                    conn.reserved.discard(slot)
+                    store.abort_dram(slot)
+            return {}
+        if op == "put":  # inline bytes: for chunks larger than a slot or no DRAM tier
+            await store.put(msg["key"], msg["data"], wait=bool(msg.get("wait")))
+            return {}
+        if op == "stats":
+            return {
+                "node_id": self.cfg.node_id,
+                "usage": store.usage(),
+                "metrics": _metric_summary(self.metrics),
+            }
+        if op == "pin_add":
+            self._check_admin(msg)
+            pin = Pin.model_validate(msg["pin"])
+            store.check_pin(pin, int(msg.get("chunk_bytes") or 0))
+            await self.directory.add_pin(pin)
+            await self._sync_pins()
+            return {"id": pin.id}
+        if op == "pin_rm":
+            self._check_admin(msg)
+            ok = await self.directory.remove_pin(msg["id"])
+            await self._sync_pins()
+            return {"removed": ok}
+        if op == "pin_ls":
+            pins = await self.directory.list_pins()
+            res = await self._residency(pins)
+            return {"pins": [p.model_dump() for p in pins], "residency": res}
+        if op == "evict":
+            self._check_admin(msg)
+            await store.delete(msg["key"], tiers=msg.get("tiers"))
+            return {}
+        if op == "flush":
+            self._check_admin(msg)
+            await store.flush()
+            return {"written_back": await self.write_back_dirty()}
+        raise ValueError(f"unknown op {op!r}")
+
+    async def _residency(self, pins: list[Pin]) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        for p in pins:
+            per: dict[str, str] = {}
+            for t in p.tiers:
+                slot = self.store.by_name.get(t)
+                if slot is None:
+                    per[t] = "n/a"
+                    continue
+                have = await slot.tier.contains_many(p.keys) if t != "s3" else [
+                    slot.tier.size_of(k) is not None for k in p.keys
+                ]
+                n = sum(have)
+                per[t] = "resident" if n == len(p.keys) else ("missing" if n == 0 else "pending")
+            out[p.id] = per
+        return out
+
+
+def _metric_summary(m: Metrics) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in m.registry.collect():
+        for s in metric.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            lbl = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{lbl}}}" if lbl else s.name] = s.value
+    return out
+
+
+class EmbeddedAgent:
+    """Runs a NodeAgent on its own event loop thread inside the current process."""
+
+    def __init__(self, cfg: CacheConfig) -> None:
+        self.cfg = cfg
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.agent: NodeAgent | None = None
+        self.thread = threading.Thread(target=self._run, name="tiered-cache-agent", daemon=True)
+        self.thread.start()
+        if not self._ready.wait(60):
+            raise TimeoutError("embedded agent did not start")
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def boot() -> None:
+            self.agent = NodeAgent(self.cfg)
+            await self.agent.start()
+
+        try:
+            self.loop.run_until_complete(boot())
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        if self.agent is None or not self.loop.is_running():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.agent.stop(), self.loop)
+        try:
+            fut.result(60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def wait_for_socket(path: str, timeout: float = 30.0) -> None:
+    import socket as _s
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with _s.socket(_s.AF_UNIX) as s:
+                s.connect(path)
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"agent socket {path} did not appear in {timeout}s")

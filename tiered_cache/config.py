@@ -1,0 +1,206 @@
+"""Configuration schema (pydantic): unknown keys and bad values are errors naming the key.
+
+Sizes accept integers (bytes) or strings with units: ``512MiB``, ``4GiB``, ``1.5GB``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(v: Any) -> int:
+    """``4GiB`` -> 4294967296. Raises ValueError with the offending text."""
+    if isinstance(v, bool):
+        raise ValueError(f"not a size: {v!r}")
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError(f"size must be >= 0, got {v}")
+        return v
+    if isinstance(v, float):
+        return parse_size(str(v))
+    m = _SIZE_RE.match(str(v))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {v!r} (use bytes or units like 512MiB, 4GiB, 1GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_duration(v: Any) -> float | None:
+    """``90s``, ``15m``, ``24h``, ``7d``, a number of seconds, or none/null -> None."""
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none", "null", "0")):
+        return None
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        if v <= 0:
+            raise ValueError(f"duration must be > 0, got {v}")
+        return float(v)
+    m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*(s|m|h|d)?\s*$", str(v))
+    if not m:
+        raise ValueError(f"not a duration: {v!r} (use e.g. 90s, 15m, 24h, 7d, or none)")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2) or "s"]
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+EvictionName = str
+WriteMode = Literal["write_through", "write_back"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TierPolicy(_Strict):
+    eviction: EvictionName = "lru"
+    admission: str = "always"
+    admission_k: int = Field(2, ge=1)
+    pin_budget_fraction: float = Field(0.5, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _known_policies(self) -> TierPolicy:
+        from policies import ADMISSION_POLICIES, EVICTION_POLICIES
+
+        if self.eviction.lower() not in EVICTION_POLICIES:
+            raise ValueError(
+                f"unknown eviction policy {self.eviction!r}; valid: "
+                + ", ".join(sorted(EVICTION_POLICIES))
+            )
+        if self.admission.lower() not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"unknown admission policy {self.admission!r}; valid: "
+                + ", ".join(sorted(ADMISSION_POLICIES))
+            )
+        return self
+
+
+class DramConfig(TierPolicy):
+    enabled: bool = True
+    capacity: Size = parse_size("1GiB")
+    # One chunk per slot. 0 = derive from the model's chunk bytes at first use.
+    slot_bytes: Size = parse_size("8MiB")
+    shm_name: str | None = None
+    verify_reads: bool = False
+
+
+class NvmeConfig(TierPolicy):
+    enabled: bool = False
+    path: str = "/tmp/tiered-cache/nvme"
+    capacity: Size = parse_size("10GiB")
+    write_mode: WriteMode = "write_back"
+    o_direct: bool = False
+    max_concurrency: int = Field(8, ge=1, le=256)
+
+
+class S3Config(TierPolicy):
+    enabled: bool = False
+    url: str = ""  # s3://bucket/prefix
+    endpoint_url: str | None = None
+    region: str | None = None
+    capacity: Size | None = None  # None = unbounded
+    write_mode: WriteMode = "write_back"
+    max_concurrency: int = Field(16, ge=1, le=512)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    read_timeout_s: float = Field(10.0, gt=0)
+    max_attempts: int = Field(4, ge=1, le=20)
+
+    @model_validator(mode="after")
+    def _url(self) -> S3Config:
+        if self.enabled and not re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", self.url):
+            raise ValueError(f"s3.url must look like s3://bucket/prefix, got {self.url!r}")
+        return self
+
+
+class AgentConfig(_Strict):
+    socket: str | None = None  # default: /tmp/tiered-cache-<node_id>.sock
+    peer_host: str = "127.0.0.1"
+    peer_port: int | None = Field(None, ge=0, le=65535)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    auth_token: str | None = None
+    usage_log_interval_s: float = Field(60.0, gt=0)
+    pin_sync_interval_s: float = Field(2.0, gt=0)
+
+
+class CacheConfig(_Strict):
+    node_id: str = Field(default_factory=lambda: socket.gethostname())
+    chunk_size: int = Field(256, ge=1)
+    redis_url: str | None = None
+    location_ttl_s: float = Field(3600.0, gt=0)
+    heartbeat_ttl_s: float = Field(15.0, gt=0)
+    dram: DramConfig = Field(default_factory=DramConfig)
+    nvme: NvmeConfig = Field(default_factory=NvmeConfig)
+    s3: S3Config = Field(default_factory=S3Config)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+
+    @model_validator(mode="after")
+    def _some_tier(self) -> CacheConfig:
+        if not (self.dram.enabled or self.nvme.enabled or self.s3.enabled):
+            raise ValueError("enable at least one tier (dram, nvme or s3)")
+        if self.redis_url and not re.match(r"^(rediss?|unix|redis\+cluster)://", self.redis_url):
+            raise ValueError(
+                f"redis_url must start with redis://, rediss://, unix:// or redis+cluster://"
+                f" (got scheme of {self.redis_url.split(':', 1)[0]!r})"
+            )
+        return self
+
+    @property
+    def socket_path(self) -> str:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.node_id)
+        return self.agent.socket or os.path.join("/tmp", f"tiered-cache-{safe}.sock")
+
+    @property
+    def dram_shm_name(self) -> str:
+        safe = re.sub(r"[^A-Za-z0-9_]", "_", self.node_id)
+        return self.dram.shm_name or f"tiered_cache_{safe}"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key."""
+
+
+def format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -> CacheConfig:
+    """Load from a YAML path or a dict. ``None`` gives the embedded defaults."""
+    if source is None:
+        data: Any = {}
+        where = "defaults"
+    elif isinstance(source, dict):
+        data, where = source, "config"
+    else:
+        p = Path(source)
+        where = str(p)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+        if "tiered_cache" in data and isinstance(data["tiered_cache"], dict):
+            data = data["tiered_cache"]
+    try:
+        return CacheConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{where}: {format_validation_error(e)}") from None

@@ -1,0 +1,559 @@
+"""The tiered store: DRAM -> NVMe -> S3 with per-tier eviction, admission and write policy.
+
+- ``put`` lands in the top tier (DRAM), then reaches lower tiers per their write mode:
+  ``write_through`` (copied at put time, in the background) or ``write_back`` (copied when
+  evicted from the tier above). An admission policy can refuse a tier.
+- ``get`` reads from the nearest tier holding the chunk, verifies it (a failure is a miss:
+  counted, removed, and the next tier is tried) and promotes hits to DRAM.
+- Eviction is per tier through ``policies``. Pinned chunks are taken out of a tier's
+  policy, so no policy can ever pick them.
+- Concurrency: one asyncio lock per tier serialises make-room + insert; DRAM slots are
+  leased, so a chunk evicted while being read is freed only after the read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from policies import AdmissionPolicy, EntryInfo, EvictionPolicy, make_admission, make_eviction
+from tiered_cache import codec
+from tiered_cache.codec import ChunkMeta
+from tiered_cache.directory import Directory, Pin
+from tiered_cache.metrics import Metrics
+from tiered_cache.tiers.base import Tier, TierError, TierFull
+from tiered_cache.tiers.dram import DRAMTier
+
+log = logging.getLogger(__name__)
+
+WriteMode = Literal["write_through", "write_back"]
+# Fetches a verified-or-not encoded chunk from another node: (key, node_id) -> bytes | None.
+PeerFetch = Callable[[str, str], Awaitable[bytes | None]]
+
+
+class PinRefused(ValueError):
+    """A pin does not fit the pin budget of one of its tiers."""
+
+
+@dataclass
+class TierSlot:
+    tier: Tier
+    eviction: EvictionPolicy = field(default_factory=lambda: make_eviction("lru"))
+    admission: AdmissionPolicy = field(default_factory=lambda: make_admission("always"))
+    write_mode: WriteMode = "write_back"  # how chunks reach this tier (top tier: ignored)
+    pin_budget_fraction: float = 0.5
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+
+@dataclass
+class Hit:
+    meta: ChunkMeta
+    payload: memoryview
+    source: str  # tier name, or "peer"
+
+
+class TieredStore:
+    def __init__(
+        self,
+        tiers: Sequence[TierSlot],
+        *,
+        node_id: str = "local",
+        directory: Directory | None = None,
+        metrics: Metrics | None = None,
+        location_ttl_s: float = 3600.0,
+        verify_dram: bool = False,
+        peer_fetch: PeerFetch | None = None,
+        max_background: int = 16,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tiers: {names}")
+        self.slots = list(tiers)
+        self.by_name = {s.name: s for s in self.slots}
+        self.node_id = node_id
+        self.directory = directory
+        self.metrics = metrics or Metrics()
+        self.location_ttl_s = location_ttl_s
+        # DRAM contents were verified on the way in and live in trusted memory; re-hashing
+        # them on every read would cost as much as the copy itself.
+        self.verify_dram = verify_dram
+        self.peer_fetch = peer_fetch
+        self._locks = {s.name: asyncio.Lock() for s in self.slots}
+        self._bg: set[asyncio.Task[None]] = set()
+        self._bg_sem = asyncio.Semaphore(max_background)
+        self._info: dict[str, EntryInfo] = {}
+        # tier -> key -> ids of pins covering it
+        self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
+        self._pins: dict[str, Pin] = {}
+        for s in self.slots:  # adopt what tiers already hold (restart)
+            for key, size in s.tier.entries():
+                s.eviction.on_insert(key, size)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _is_pinned(self, tier: str, key: str) -> bool:
+        return key in self._pinned[tier]
+
+    def _track(self, slot: TierSlot, key: str, size: int) -> None:
+        if not self._is_pinned(slot.name, key):
+            slot.eviction.on_insert(key, size, self._info.get(key))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            async with self._bg_sem:
+                try:
+                    await coro
+                except Exception:
+                    log.exception("background tier write failed")
+
+        t = asyncio.ensure_future(run())
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _publish(self, tier: str, keys: Sequence[str]) -> None:
+        if self.directory is not None and keys:
+            await self.directory.publish(self.node_id, tier, keys, self.location_ttl_s)
+
+    async def _unpublish(self, tier: str, keys: Sequence[str]) -> None:
+        if self.directory is not None and keys:
+            await self.directory.unpublish(self.node_id, tier, keys)
+
+    def _below(self, slot: TierSlot) -> TierSlot | None:
+        i = self.slots.index(slot)
+        return self.slots[i + 1] if i + 1 < len(self.slots) else None
+
+    # ---------------------------------------------------------------- eviction
+
+    async def _make_room(self, slot: TierSlot, nbytes: int) -> None:
+        """Evict from ``slot`` until ``nbytes`` fit. Caller holds the tier's lock."""
+        tier = slot.tier
+        while not tier.has_room(nbytes):
+            victim = slot.eviction.victim()
+            if victim is None:
+                raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
+            await self._evict(slot, victim, reason="capacity")
+
+    async def _evict(self, slot: TierSlot, key: str, reason: str) -> None:
+        below = self._below(slot)
+        if below is not None and below.write_mode == "write_back":
+            with contextlib.suppress(TierError):
+                if not (await below.tier.contains_many([key]))[0]:
+                    raw = await slot.tier.get(key)
+                    if raw is not None:
+                        await self._write_tier(below, key, raw, demotion=True)
+        slot.eviction.on_remove(key)
+        if await slot.tier.delete(key):
+            self.metrics.evictions.labels(slot.name, reason).inc()
+            await self._unpublish(slot.name, [key])
+
+    async def _write_tier(
+        self, slot: TierSlot, key: str, data: bytes | memoryview, *, demotion: bool = False,
+        force: bool = False,
+    ) -> bool:
+        """Admit, make room and store into one tier. False when refused."""
+        n = memoryview(data).nbytes
+        if not force and not self._is_pinned(slot.name, key) and not slot.admission.admit(key, n):
+            self.metrics.admission_rejects.labels(slot.name).inc()
+            return False
+        if not slot.tier.fits(n):
+            self.metrics.write_errors.labels(slot.name, "too_large").inc()
+            return False
+        t0 = time.perf_counter()
+        async with self._locks[slot.name]:
+            try:
+                await self._make_room(slot, n)
+                await slot.tier.put(key, data)
+            except TierFull as e:
+                self.metrics.write_errors.labels(slot.name, "full").inc()
+                log.warning("%s refused %s: %s", slot.name, key, e)
+                return False
+            except TierError as e:
+                self.metrics.write_errors.labels(slot.name, "io").inc()
+                log.warning("%s write of %s failed: %s", slot.name, key, e)
+                return False
+            slot.eviction.on_remove(key)  # a replaced key is re-tracked once
+            self._track(slot, key, n)
+        self.metrics.store_seconds.labels(slot.name).observe(time.perf_counter() - t0)
+        self.metrics.bytes_written.labels(slot.name).inc(n)
+        await self._publish(slot.name, [key])
+        return True
+
+    # ---------------------------------------------------------------- write path
+
+    async def put(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        info: EntryInfo | None = None,
+        wait: bool = False,
+    ) -> bool:
+        """Store an encoded chunk. Returns once the top tier that admitted it holds it;
+        with ``wait`` also after write-through copies land (durability)."""
+        if info is not None:
+            self._info[key] = info
+        raw = bytes(data) if not isinstance(data, bytes) else data
+        stored = False
+        through: list[Awaitable[None]] = []
+        for i, slot in enumerate(self.slots):
+            if i == 0 or not stored:
+                stored = await self._write_tier(slot, key, raw) or stored
+                continue
+            if slot.write_mode == "write_through" or self._is_pinned(slot.name, key):
+                through.append(self._write_tier_bg(slot, key, raw))
+        if wait:
+            await asyncio.gather(*through)
+        else:
+            for c in through:
+                self._spawn(c)
+        return stored
+
+    async def _write_tier_bg(self, slot: TierSlot, key: str, raw: bytes) -> None:
+        await self._write_tier(slot, key, raw)
+
+    async def flush(self) -> None:
+        """Wait for pending background writes (write-through, promotions)."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def delete(self, key: str, tiers: Iterable[str] | None = None) -> None:
+        for slot in self.slots:
+            if tiers is not None and slot.name not in tiers:
+                continue
+            async with self._locks[slot.name]:
+                slot.eviction.on_remove(key)
+                removed = await slot.tier.delete(key)
+            if removed:
+                self.metrics.evictions.labels(slot.name, "delete").inc()
+                await self._unpublish(slot.name, [key])
+
+    # ---------------------------------------------------------------- read path
+
+    async def contains(self, keys: Sequence[str]) -> dict[str, list[bool]]:
+        return {s.name: await s.tier.contains_many(keys) for s in self.slots}
+
+    async def lookup(self, keys: Sequence[str]) -> list[str]:
+        """Source label of each leading key that is loadable, nearest first."""
+        if not keys:
+            return []
+        local = [await s.tier.contains_many(keys) for s in self.slots if s.name != "s3"]
+        local_names = [s.name for s in self.slots if s.name != "s3"]
+        out: list[str] = []
+        for i in range(len(keys)):
+            src = next((local_names[t] for t in range(len(local)) if local[t][i]), None)
+            if src is None:
+                break
+            out.append(src)
+        rest = list(keys[len(out) :])
+        if not rest:
+            return out
+        remote = await self._remote_sources(rest)
+        for src in remote:
+            if src is None:
+                break
+            out.append(src)
+        for s in out:
+            self.metrics.lookups.labels(s).inc()
+        return out
+
+    async def _remote_sources(self, keys: Sequence[str]) -> list[str | None]:
+        res: list[str | None] = [None] * len(keys)
+        if self.directory is not None:
+            locs = await self.directory.locate(keys)
+            for i, ls in enumerate(locs):
+                if self.peer_fetch is not None and any(
+                    loc.node_id != self.node_id and loc.tier in ("dram", "nvme") for loc in ls
+                ):
+                    res[i] = "peer"
+                elif "s3" in self.by_name and any(loc.tier == "s3" for loc in ls):
+                    res[i] = "s3"
+        s3 = self.by_name.get("s3")
+        if s3 is not None:
+            # The directory may be down or behind: S3 itself is the truth for what it holds.
+            unknown = [i for i, r in enumerate(res) if r is None]
+            if unknown:
+                lead = unknown[: max(1, len(unknown))]
+                hits = await s3.tier.contains_many([keys[i] for i in lead])
+                for i, h in zip(lead, hits, strict=True):
+                    if h:
+                        res[i] = "s3"
+        return res
+
+    async def get(
+        self,
+        key: str,
+        *,
+        expect_fingerprint: bytes | None = None,
+        promote: bool = True,
+        num_tokens_hint: int = 0,
+    ) -> Hit | None:
+        """Nearest verified copy of ``key``, or None (miss, or every copy failed)."""
+        for slot in self.slots:
+            name = slot.name
+            if name != "s3" and not (await slot.tier.contains_many([key]))[0]:
+                continue
+            hit = await self._read_verified(slot.tier, key, expect_fingerprint)
+            if hit is None:
+                continue
+            slot.eviction.on_access(key)
+            slot.admission.on_access(key)
+            if promote and slot is not self.slots[0]:
+                self._spawn(self._promote(key, hit))
+            return hit
+        hit = await self._get_from_peer(key, expect_fingerprint)
+        if hit is not None and promote:
+            self._spawn(self._promote(key, hit))
+        if hit is None:
+            self.metrics.misses.labels("all").inc()
+        return hit
+
+    async def _read_verified(
+        self, tier: Tier, key: str, expect_fp: bytes | None, source: str | None = None
+    ) -> Hit | None:
+        name = tier.name
+        t0 = time.perf_counter()
+        try:
+            raw = await tier.get(key)
+        except TierError as e:
+            self.metrics.read_errors.labels(name).inc()
+            log.warning("%s read of %s failed: %s", name, key, e)
+            return None
+        if raw is None:
+            return None
+        try:
+            meta, payload = codec.decode(
+                raw,
+                expect_key=key,
+                expect_fingerprint=expect_fp,
+                verify_payload=self.verify_dram or name != "dram",
+            )
+        except codec.ChunkMismatch as e:
+            log.warning("%s chunk %s unusable here: %s", name, key, e)
+            self.metrics.verification_failures.labels(name).inc()
+            return None
+        except codec.ChunkError as e:
+            log.warning("%s chunk %s failed verification (%s): removed", name, key, e)
+            self.metrics.verification_failures.labels(name).inc()
+            await self.delete(key, tiers=[name])
+            return None
+        n = len(raw)
+        self.metrics.hits.labels(source or name).inc()
+        self.metrics.hit_tokens.labels(source or name).inc(meta.num_tokens)
+        self.metrics.bytes_read.labels(source or name).inc(n)
+        self.metrics.load_seconds.labels(source or name).observe(time.perf_counter() - t0)
+        return Hit(meta, payload, source or name)
+
+    async def _get_from_peer(self, key: str, expect_fp: bytes | None) -> Hit | None:
+        if self.peer_fetch is None or self.directory is None:
+            return None
+        (locs,) = await self.directory.locate([key])
+        for loc in locs:
+            if loc.node_id == self.node_id or loc.tier not in ("dram", "nvme"):
+                continue
+            try:
+                raw = await self.peer_fetch(key, loc.node_id)
+            except Exception as e:
+                log.warning("peer %s fetch of %s failed: %s", loc.node_id, key, e)
+                continue
+            if raw is None:
+                continue
+            try:
+                meta, payload = codec.decode(raw, expect_key=key, expect_fingerprint=expect_fp)
+            except codec.ChunkError as e:
+                log.warning("peer %s sent a bad chunk %s: %s", loc.node_id, key, e)
+                self.metrics.verification_failures.labels("peer").inc()
+                continue
+            self.metrics.hits.labels("peer").inc()
+            self.metrics.hit_tokens.labels("peer").inc(meta.num_tokens)
+            self.metrics.bytes_read.labels("peer").inc(len(raw))
+            self.metrics.peer_transfers.labels("in").inc()
+            return Hit(meta, payload, "peer")
+        return None
+
+    async def _promote(self, key: str, hit: Hit) -> None:
+        top = self.slots[0]
+        if (await top.tier.contains_many([key]))[0]:
+            return
+        raw = codec.encode(hit.meta, hit.payload)
+        await self._write_tier(top, key, raw)
+
+    # ------------------------------------------------ shared-memory slot protocol
+    # Used by the node agent so local clients copy chunk bytes straight into and out of
+    # the DRAM pool; the agent only moves slot numbers.
+
+    def _dram(self) -> TierSlot:
+        top = self.slots[0]
+        if not isinstance(top.tier, DRAMTier):
+            raise TierError("no DRAM tier: shared-memory transfers are unavailable")
+        return top
+
+    async def reserve_dram(self, nbytes: int) -> int | None:
+        """A free DRAM slot for a client to fill, evicting if needed; None when refused."""
+        top = self._dram()
+        tier = top.tier
+        assert isinstance(tier, DRAMTier)
+        if not tier.fits(nbytes):
+            return None
+        async with self._locks[top.name]:
+            try:
+                await self._make_room(top, nbytes)
+                return tier.reserve()
+            except TierFull:
+                self.metrics.write_errors.labels(top.name, "full").inc()
+                return None
+
+    def abort_dram(self, slot: int) -> None:
+        tier = self._dram().tier
+        assert isinstance(tier, DRAMTier)
+        tier.abort(slot)
+
+    async def commit_dram(
+        self, key: str, slot: int, length: int, *, info: EntryInfo | None = None,
+        wait: bool = False,
+    ) -> None:
+        """Publish a client-filled slot, then copy it down per the lower tiers' write modes."""
+        top = self._dram()
+        tier = top.tier
+        assert isinstance(tier, DRAMTier)
+        if info is not None:
+            self._info[key] = info
+        async with self._locks[top.name]:
+            tier.commit(key, slot, length)
+            top.eviction.on_remove(key)
+            self._track(top, key, length)
+        self.metrics.bytes_written.labels(top.name).inc(length)
+        await self._publish(top.name, [key])
+        through = [
+            s for s in self.slots[1:] if s.write_mode == "write_through" or self._is_pinned(s.name, key)
+        ]
+        if not through:
+            return
+        raw = bytes(tier.slot_view(slot)[:length])
+        coros = [self._write_tier_bg(s, key, raw) for s in through]
+        if wait:
+            await asyncio.gather(*coros)
+        else:
+            for c in coros:
+                self._spawn(c)
+
+    async def lease(
+        self, key: str, expect_fingerprint: bytes | None = None
+    ) -> tuple[int, int] | Hit | None:
+        """Lease ``key`` in DRAM as (slot, length), promoting it from a lower tier or a peer
+        first. Returns the Hit itself when it cannot be placed in DRAM, None on a miss."""
+        top = self._dram()
+        tier = top.tier
+        assert isinstance(tier, DRAMTier)
+        got = tier.acquire(key)
+        if got is not None:
+            top.eviction.on_access(key)
+            self.metrics.hits.labels("dram").inc()
+            self.metrics.bytes_read.labels("dram").inc(got[1])
+            return got
+        hit = await self.get(key, expect_fingerprint=expect_fingerprint, promote=False)
+        if hit is None:
+            return None
+        await self._write_tier(top, key, codec.encode(hit.meta, hit.payload))
+        got = tier.acquire(key)
+        return got if got is not None else hit
+
+    def release(self, slot: int) -> None:
+        tier = self._dram().tier
+        assert isinstance(tier, DRAMTier)
+        tier.release(slot)
+
+    # ---------------------------------------------------------------- pins
+
+    def pin_budget(self, tier: str) -> int | None:
+        slot = self.by_name[tier]
+        cap = slot.tier.usage().capacity_bytes
+        return None if cap is None else int(cap * slot.pin_budget_fraction)
+
+    def pinned_bytes(self, tier: str) -> int:
+        t = self.by_name[tier].tier
+        return sum(t.size_of(k) or 0 for k in self._pinned[tier])
+
+    def check_pin(self, pin: Pin, chunk_bytes: int) -> None:
+        """Raise PinRefused when ``pin`` would exceed a tier's pin budget on this node."""
+        for tier in pin.tiers:
+            if tier not in self.by_name:
+                continue  # a tier this node does not have: other nodes honour it
+            budget = self.pin_budget(tier)
+            if budget is None:
+                continue
+            others = {k for p in self._pins.values() if p.id != pin.id for k in p.keys}
+            new = [k for k in pin.keys if k not in others]
+            need = self.pinned_bytes_of(tier, others) + len(new) * chunk_bytes
+            if need > budget:
+                raise PinRefused(
+                    f"pin needs {need} B in {tier} but its pin budget is {budget} B "
+                    f"({self.by_name[tier].pin_budget_fraction:.0%} of capacity)"
+                )
+
+    def pinned_bytes_of(self, tier: str, keys: Iterable[str]) -> int:
+        t = self.by_name[tier].tier
+        return sum(t.size_of(k) or 0 for k in keys)
+
+    def apply_pins(self, pins: Iterable[Pin]) -> None:
+        """Make the pin set current: pinned keys leave their tiers' eviction policies;
+        unpinned ones rejoin them."""
+        now = time.time()
+        self._pins = {p.id: p for p in pins if not p.expired(now)}
+        want: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
+        for p in self._pins.values():
+            for tier in p.tiers:
+                if tier in want:
+                    for k in p.keys:
+                        want[tier].setdefault(k, set()).add(p.id)
+        for slot in self.slots:
+            old, new = self._pinned[slot.name], want[slot.name]
+            self._pinned[slot.name] = new
+            for k in new.keys() - old.keys():
+                slot.eviction.on_remove(k)
+            for k in old.keys() - new.keys():
+                size = slot.tier.size_of(k)
+                if size is not None:
+                    slot.eviction.on_insert(k, size, self._info.get(k))
+            self.metrics.pinned_bytes.labels(slot.name).set(self.pinned_bytes(slot.name))
+
+    def pinned_keys(self, tier: str) -> set[str]:
+        return set(self._pinned[tier])
+
+    # ---------------------------------------------------------------- admin
+
+    def usage(self) -> dict[str, dict[str, int | None]]:
+        out: dict[str, dict[str, int | None]] = {}
+        for s in self.slots:
+            u = s.tier.usage()
+            out[s.name] = {
+                "used_bytes": u.used_bytes,
+                "capacity_bytes": u.capacity_bytes,
+                "chunks": u.num_chunks,
+                "pinned_bytes": self.pinned_bytes(s.name),
+            }
+            self.metrics.used_bytes.labels(s.name).set(u.used_bytes)
+            if u.capacity_bytes is not None:
+                self.metrics.capacity_bytes.labels(s.name).set(u.capacity_bytes)
+        return out
+
+    async def republish(self) -> None:
+        """Refresh this node's directory entries (their TTLs let dead nodes age out)."""
+        for s in self.slots:
+            keys = [k for k, _ in s.tier.entries()]
+            for i in range(0, len(keys), 1000):
+                await self._publish(s.name, keys[i : i + 1000])
+
+    async def close(self) -> None:
+        await self.flush()
+        for s in self.slots:
+            await s.tier.close()

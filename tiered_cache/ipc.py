@@ -1,0 +1,65 @@
+"""Length-prefixed msgpack frames over a stream (unix socket locally, TCP between peers).
+
+Control messages are small; bulk chunk bytes travel through shared memory locally and as
+raw ``bytes`` fields (one large frame, no per-element work) between peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+_LEN = struct.Struct("!I")
+MAX_FRAME = 1 << 31
+
+
+class IPCError(Exception):
+    """The peer answered with an error, or the connection broke."""
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+async def read_msg(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    try:
+        head = await reader.readexactly(4)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise IPCError(f"frame of {n} bytes exceeds limit")
+    body = await reader.readexactly(n)
+    msg = msgpack.unpackb(body, raw=False)
+    if not isinstance(msg, dict):
+        raise IPCError("frame is not a mapping")
+    return msg
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise IPCError("connection closed by the agent")
+        got += r
+    return buf
+
+
+def call_sync(sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
+    """One blocking request/response on a connected socket."""
+    sock.sendall(pack(msg))
+    (n,) = _LEN.unpack(_recv_exact(sock, 4))
+    reply = msgpack.unpackb(_recv_exact(sock, n), raw=False)
+    if not isinstance(reply, dict):
+        raise IPCError("malformed reply")
+    if not reply.get("ok", False):
+        raise IPCError(str(reply.get("error", "unknown error")))
+    return reply
