@@ -140,6 +140,7 @@ class NodeAgent:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        await self.store.open()
         path = self.cfg.socket_path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tiered_cache import codec
@@ -24,6 +25,7 @@ from tiered_cache.config import CacheConfig, load_config
 from tiered_cache.ipc import IPCError, call_sync
 
 log = logging.getLogger(__name__)
+_HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
 # Called with (index in request, meta, payload view) while the slot is leased: copy out now.
 Sink = Callable[[int, ChunkMeta, memoryview], None]
@@ -33,7 +35,7 @@ class AgentClient:
     """ChunkStore backed by a node agent. Thread-safe (one request at a time)."""
 
     def __init__(self, socket_path: str, *, verify_payload: bool = True, timeout: float = 60.0):
-        from tiered_cache.tiers.dram import attach_shm, maybe_pin_host_memory
+        from tiered_cache.tiers.dram import attach_shm, maybe_pin_host_memory, prefault
 
         self.socket_path = socket_path
         self.verify_payload = verify_payload
@@ -48,6 +50,7 @@ class AgentClient:
         self._shm = attach_shm(hello["shm_name"]) if hello.get("shm_name") else None
         self._buf = memoryview(self._shm.buf) if self._shm is not None else None
         if self._buf is not None:
+            prefault(self._buf, write=False)
             maybe_pin_host_memory(self._buf)
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -85,15 +88,19 @@ class AgentClient:
                     raw = item["data"]
                 try:
                     meta, payload = codec.decode(
-                        raw,
-                        expect_key=key,
-                        expect_fingerprint=fingerprint,
-                        verify_payload=self.verify_payload,
+                        raw, expect_key=key, expect_fingerprint=fingerprint, verify_payload=False
                     )
+                    want = codec.parse_header(raw)[2]
                 except codec.ChunkError as e:
                     log.warning("chunk %s failed verification: %s", key, e)
                     continue
+                # Hash on a second core while the sink copies: a mismatch reports the chunk
+                # as failed, and the connector then has vLLM recompute what the sink wrote.
+                fut = _HASH_POOL.submit(codec.checksum, payload) if self.verify_payload else None
                 sink(i, meta, payload)
+                if fut is not None and fut.result() != want:
+                    log.warning("chunk %s failed verification: payload checksum mismatch", key)
+                    continue
                 ok[i] = True
         finally:
             if leased:
@@ -135,8 +142,11 @@ class AgentClient:
                     )
                     continue
                 dst = self._slot(slot, sizes[i])
-                dst[: codec.HEADER_SIZE] = codec.pack_header(meta, payload)
+                fut = _HASH_POOL.submit(codec.checksum, payload)  # overlaps the copy
                 dst[codec.HEADER_SIZE :] = payload
+                dst[: codec.HEADER_SIZE] = codec.pack_header(
+                    meta, payload, payload_checksum=fut.result()
+                )
                 commits.append([meta.key, slot, sizes[i], parent, i])
         except BaseException:
             self._call({"op": "abort", "slots": [s for s in slots if s is not None]})
@@ -151,12 +161,15 @@ class AgentClient:
         try:
             self._sock.close()
         finally:
-            if self._buf is not None:
-                self._buf.release()
-                self._buf = None
-            if self._shm is not None:
-                self._shm.close()
-                self._shm = None
+            try:
+                if self._buf is not None:
+                    self._buf.release()
+                if self._shm is not None:
+                    self._shm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with the process
+            self._buf = None
+            self._shm = None
 
 
 _embedded: dict[str, Any] = {}

@@ -59,7 +59,15 @@ def _fit(s: str, n: int, what: str) -> bytes:
     return b
 
 
-def pack_header(meta: ChunkMeta, payload: bytes | bytearray | memoryview) -> bytes:
+def checksum(payload: bytes | bytearray | memoryview) -> int:
+    """Payload checksum (xxh3-64). Releases the GIL, so it can overlap a copy."""
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
+def pack_header(
+    meta: ChunkMeta, payload: bytes | bytearray | memoryview, *, payload_checksum: int | None = None
+) -> bytes:
+    """Header for ``payload``; pass ``payload_checksum`` when already computed."""
     if len(meta.shape) > MAX_DIMS:
         raise ValueError(f"at most {MAX_DIMS} dims, got {len(meta.shape)}")
     if len(meta.fingerprint) != 16:
@@ -80,7 +88,7 @@ def pack_header(meta: ChunkMeta, payload: bytes | bytearray | memoryview) -> byt
         len(meta.shape),
         *shape,
         payload_len,
-        xxhash.xxh3_64_intdigest(payload),
+        checksum(payload) if payload_checksum is None else payload_checksum,
     )
     body = fixed + b"\0" * (HEADER_SIZE - 4 - len(fixed))
     return body + _HCRC.pack(xxhash.xxh32_intdigest(body))

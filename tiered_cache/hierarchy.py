@@ -95,9 +95,22 @@ class TieredStore:
         # tier -> key -> ids of pins covering it
         self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
         self._pins: dict[str, Pin] = {}
-        for s in self.slots:  # adopt what tiers already hold (restart)
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Track what tiers already hold (after a restart) in their eviction policies."""
+        for s in self.slots:
             for key, size in s.tier.entries():
-                s.eviction.on_insert(key, size)
+                if key not in s.eviction and not self._is_pinned(s.name, key):
+                    s.eviction.on_insert(key, size)
+
+    async def open(self) -> None:
+        """Finish async tier set-up (e.g. S3 budget listing), then adopt their contents."""
+        for s in self.slots:
+            opener = getattr(s.tier, "open", None)
+            if opener is not None and asyncio.iscoroutinefunction(opener):
+                await opener()
+        self._adopt()
 
     # ---------------------------------------------------------------- helpers
 
@@ -246,25 +259,30 @@ class TieredStore:
         """Source label of each leading key that is loadable, nearest first."""
         if not keys:
             return []
-        local = [await s.tier.contains_many(keys) for s in self.slots if s.name != "s3"]
-        local_names = [s.name for s in self.slots if s.name != "s3"]
+        local_slots = [s for s in self.slots if s.name != "s3"]
+        local = [await s.tier.contains_many(keys) for s in local_slots]
+        labels: list[str | None] = [
+            next((local_slots[t].name for t in range(len(local)) if local[t][i]), None)
+            for i in range(len(keys))
+        ]
+        missing = [i for i, lab in enumerate(labels) if lab is None]
+        if missing:
+            # Only the chunks before the first one found nowhere matter; ask about every
+            # missing one in one batch anyway (one round trip beats a second one).
+            remote = await self._remote_sources([keys[i] for i in missing])
+            for i, src in zip(missing, remote, strict=True):
+                labels[i] = src
         out: list[str] = []
-        for i in range(len(keys)):
-            src = next((local_names[t] for t in range(len(local)) if local[t][i]), None)
-            if src is None:
+        for lab in labels:
+            if lab is None:
                 break
-            out.append(src)
-        rest = list(keys[len(out) :])
-        if not rest:
-            return out
-        remote = await self._remote_sources(rest)
-        for src in remote:
-            if src is None:
-                break
-            out.append(src)
-        for s in out:
-            self.metrics.lookups.labels(s).inc()
+            out.append(lab)
+            self.metrics.lookups.labels(lab).inc()
         return out
+
+    def _directory_ok(self) -> bool:
+        d = self.directory
+        return d is not None and not getattr(d, "degraded", False)
 
     async def _remote_sources(self, keys: Sequence[str]) -> list[str | None]:
         res: list[str | None] = [None] * len(keys)
@@ -280,11 +298,18 @@ class TieredStore:
         s3 = self.by_name.get("s3")
         if s3 is not None:
             # The directory may be down or behind: S3 itself is the truth for what it holds.
+            # The directory may be down, or may have aged out the entries of a node that
+            # died (its S3 objects live on): S3 itself is the truth for what it holds.
+            # With a healthy directory, probe only the first unknown chunk (the prefix
+            # walk stops there anyway) and the rest only if that probe hits.
             unknown = [i for i, r in enumerate(res) if r is None]
+            if unknown and self._directory_ok():
+                first = await s3.tier.contains_many([keys[unknown[0]]])
+                if not first[0]:
+                    unknown = []
             if unknown:
-                lead = unknown[: max(1, len(unknown))]
-                hits = await s3.tier.contains_many([keys[i] for i in lead])
-                for i, h in zip(lead, hits, strict=True):
+                hits = await s3.tier.contains_many([keys[i] for i in unknown])
+                for i, h in zip(unknown, hits, strict=True):
                     if h:
                         res[i] = "s3"
         return res

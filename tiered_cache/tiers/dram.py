@@ -26,15 +26,32 @@ from tiered_cache.tiers.base import Tier, TierFull, TierUsage
 log = logging.getLogger(__name__)
 
 _ALIGN = 4096
+_OWNED: set[str] = set()  # pools created by this process (their tracker entry must stay)
 
 
 def attach_shm(name: str) -> shared_memory.SharedMemory:
     """Attach an existing pool without letting this process's resource tracker unlink it
     at exit (a CPython <3.13 pitfall: attaching processes would destroy the owner's pool)."""
     shm = shared_memory.SharedMemory(name=name, create=False)
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    if shm.name not in _OWNED:
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
+
+
+def prefault(buf: memoryview, *, write: bool) -> None:
+    """Map every page now, so first-touch faults do not land on the hot path.
+
+    The owner writes (allocating the pages); an attaching process reads one byte a page
+    (mapping the already-allocated pages into its own page table).
+    """
+    import numpy as np
+
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    if write:
+        arr.fill(0)
+    else:
+        int(arr[::4096].sum())
 
 
 def maybe_pin_host_memory(buf: memoryview) -> bool:
@@ -85,6 +102,8 @@ class DRAMTier(Tier):
         self.num_slots = n
         self._shm, created = self._open_shm(shm_name, n * slot_bytes, recover)
         self._buf = memoryview(self._shm.buf)[: n * slot_bytes]
+        if created:
+            prefault(self._buf, write=True)
         self.pinned_host = maybe_pin_host_memory(self._buf)
         self._slots = [_Slot() for _ in range(n)]
         self._index: dict[str, int] = {}
@@ -101,6 +120,7 @@ class DRAMTier(Tier):
             try:
                 shm = shared_memory.SharedMemory(name=name, create=False)
                 if shm.size >= size:
+                    _OWNED.add(shm.name)
                     return shm, False
                 shm.close()
                 shm.unlink()
@@ -111,7 +131,9 @@ class DRAMTier(Tier):
                 old = shared_memory.SharedMemory(name=name, create=False)
                 old.close()
                 old.unlink()
-        return shared_memory.SharedMemory(name=name, create=True, size=size), True
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        _OWNED.add(shm.name)
+        return shm, True
 
     def _rebuild(self) -> None:
         """Re-index complete, verified chunks left in the pool by a previous owner."""
@@ -266,8 +288,9 @@ class DRAMTier(Tier):
         return len(self._free)
 
     async def close(self, unlink: bool = True) -> None:
-        self._buf.release()
-        self._shm.close()
+        with contextlib.suppress(BufferError):  # views still held elsewhere: let GC unmap
+            self._buf.release()
+            self._shm.close()
         if unlink:
             with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()

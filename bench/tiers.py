@@ -1,0 +1,261 @@
+"""Tier throughput and latency, each as a ratio against a reference measured in the same run.
+
+- DRAM: our client path (reserve slot, copy + checksum, commit / lease, copy out + verify,
+  release) against a raw ``memcpy`` (numpy copyto) of the same bytes.
+- NVMe: ``NVMeTier`` (temp file + fsync + rename, O_DIRECT) against raw O_DIRECT sequential
+  write (+fsync) and read of the same bytes.
+- S3: ``S3Tier`` against raw boto3 ``put_object``/``get_object`` on the same moto server.
+
+Ratios are reference time / our time (1.0 = as fast as the reference; >1 faster).
+``--quick --json`` finishes in well under a minute; its last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiered_cache import codec  # noqa: E402
+from tiered_cache.keys import ModelFingerprint, chunk_keys  # noqa: E402
+
+MiB = 2**20
+
+
+def _stats(times: list[float], nbytes: int) -> dict[str, float]:
+    s = sorted(times)
+    p99 = s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+    return {
+        "gbps": nbytes / statistics.median(s) / 1e9,
+        "p50_ms": statistics.median(s) * 1e3,
+        "p99_ms": p99 * 1e3,
+    }
+
+
+def _time(fn: Callable[[int], Any], n: int, warm: int = 2) -> list[float]:
+    for i in range(warm):
+        fn(-1 - i)
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _meta(key: str, n: int) -> codec.ChunkMeta:
+    return codec.ChunkMeta(key=key, fingerprint=FP.digest, num_tokens=256, dtype="uint8",
+                           shape=(n,), kv_layout="LBHNC", block_size=16)
+
+
+FP = ModelFingerprint("bench", chunk_size=256, block_size=16)
+
+
+def _keys(n: int, salt: str) -> list[str]:
+    return chunk_keys(np.arange(256 * n), FP, cache_salt=salt)
+
+
+# ---------------------------------------------------------------- DRAM
+
+
+def bench_dram(size: int, iters: int, tmp: Path) -> dict[str, Any]:
+    from tiered_cache.client import AgentClient
+    from tiered_cache.config import load_config
+
+    payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    dst = np.empty_like(payload)
+    ref = _stats(_time(lambda i: np.copyto(dst, payload), iters), size)
+
+    slot = size + codec.HEADER_SIZE
+    cfg = load_config({
+        "node_id": f"bench-{uuid.uuid4().hex[:6]}",
+        "dram": {"capacity": slot * (iters + 4) + 8 * MiB, "slot_bytes": slot},
+        "agent": {"socket": str(tmp / f"a{size}.sock")},
+    })
+    from tiered_cache.agent import EmbeddedAgent
+
+    agent = EmbeddedAgent(cfg)
+    client = AgentClient(cfg.socket_path)
+    keys = _keys(iters + 2, f"dram{size}")
+    mv = memoryview(payload)
+    try:
+        put = _time(lambda i: client.put_many([(_meta(keys[i], size), mv)]), iters)
+
+        def sink(_: int, __: codec.ChunkMeta, view: memoryview) -> None:
+            memoryview(dst)[:] = view
+
+        def get(i: int) -> None:
+            ok = client.load_many([keys[i]], FP.digest, sink)
+            assert ok == [True]
+
+        got = _time(get, iters)
+        assert bytes(dst[:64]) == bytes(payload[:64])
+    finally:
+        client.close()
+        agent.stop()
+    p, g = _stats(put, size), _stats(got, size)
+    return {"ref_memcpy": ref, "put": p, "get": g,
+            "put_ratio": p["gbps"] / ref["gbps"], "get_ratio": g["gbps"] / ref["gbps"]}
+
+
+# ---------------------------------------------------------------- NVMe
+
+
+def _odirect_write(path: str, buf: mmap.mmap, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        mv = memoryview(buf)
+        off = 0
+        while off < len(mv):
+            off += os.write(fd, mv[off:])
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _odirect_read(path: str, buf: mmap.mmap) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        os.readv(fd, [buf])
+    finally:
+        os.close(fd)
+
+
+def bench_nvme(size: int, iters: int, root: Path) -> dict[str, Any]:
+    from tiered_cache.tiers.nvme import NVMeTier
+
+    total = size + codec.HEADER_SIZE
+    padded = -(-total // 4096) * 4096
+    buf = mmap.mmap(-1, padded)
+    rnd = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+    blob = codec.encode(_meta("0" * 32, size), rnd)
+    buf[: len(blob)] = blob
+    raw_dir = root / "raw"
+    raw_dir.mkdir()
+    w_ref = _time(lambda i: _odirect_write(str(raw_dir / f"{i}.bin"), buf, total), iters)
+    r_ref = _time(lambda i: _odirect_read(str(raw_dir / f"{max(i, 0)}.bin"), buf), iters)
+    shutil.rmtree(raw_dir)
+
+    tier = NVMeTier(root / "tier", None, o_direct=True)
+    keys = _keys(iters + 2, f"nvme{size}")
+    blobs = {k: codec.encode(_meta(k, size), rnd) for k in keys}
+    loop = asyncio.new_event_loop()
+    try:
+        w = _time(lambda i: loop.run_until_complete(tier.put(keys[i], blobs[keys[i]])), iters)
+        r = _time(lambda i: loop.run_until_complete(tier.get(keys[max(i, 0)])), iters)
+        odirect = tier.o_direct_active
+        loop.run_until_complete(tier.close())
+    finally:
+        loop.close()
+    wr, rr, ws, rs = (_stats(x, total) for x in (w_ref, r_ref, w, r))
+    return {"o_direct": odirect, "ref_write": wr, "ref_read": rr, "write": ws, "read": rs,
+            "write_ratio": ws["gbps"] / wr["gbps"], "read_ratio": rs["gbps"] / rr["gbps"]}
+
+
+# ---------------------------------------------------------------- S3
+
+
+def bench_s3(size: int, iters: int) -> dict[str, Any]:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tiered_cache.tiers.s3 import S3Tier
+
+    for k, v in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
+                 ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(k, v)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        raw = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
+        raw.create_bucket(Bucket="bench")
+        rnd = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8)
+        blob = codec.encode(_meta("0" * 32, size), rnd)
+        p_ref = _time(lambda i: raw.put_object(Bucket="bench", Key=f"raw/{i}", Body=blob), iters)
+        g_ref = _time(
+            lambda i: raw.get_object(Bucket="bench", Key=f"raw/{max(i, 0)}")["Body"].read(), iters
+        )
+        tier = S3Tier("bench", prefix="tier", endpoint_url=url, region="us-east-1")
+        keys = _keys(iters + 2, f"s3{size}")
+        loop = asyncio.new_event_loop()
+        try:
+            p = _time(lambda i: loop.run_until_complete(tier.put(keys[i], blob)), iters)
+            g = _time(lambda i: loop.run_until_complete(tier.get(keys[max(i, 0)])), iters)
+            loop.run_until_complete(tier.close())
+        finally:
+            loop.close()
+    finally:
+        server.stop()
+    total = len(blob)
+    pr, gr, ps, gs = (_stats(x, total) for x in (p_ref, g_ref, p, g))
+    return {"ref_put": pr, "ref_get": gr, "put": ps, "get": gs,
+            "put_ratio": ps["gbps"] / pr["gbps"], "get_ratio": gs["gbps"] / gr["gbps"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations and sizes (<1 min)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--sizes", default=None, help="comma list of MiB (default 2,8,32)")
+    ap.add_argument("--dir", default=None, help="directory for NVMe files (default: a temp dir)")
+    a = ap.parse_args()
+    sizes = [int(x) for x in (a.sizes or ("2,8,32" if not a.quick else "2,8,32")).split(",")]
+    iters = {"dram": 10 if a.quick else 40, "nvme": 6 if a.quick else 20, "s3": 4 if a.quick else 10}
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                               "sizes_mib": sizes, "iters": iters, "dram": {}, "nvme": {}, "s3": {}}
+    base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="tc-bench-", dir="/var/tmp"))
+    try:
+        for mib in sizes:
+            n = mib * MiB
+            d = base / f"s{mib}"
+            d.mkdir(parents=True, exist_ok=True)
+            results["dram"][mib] = bench_dram(n, iters["dram"], d)
+            results["nvme"][mib] = bench_nvme(n, iters["nvme"], d)
+            results["s3"][mib] = bench_s3(n, iters["s3"])
+            if not a.json:
+                for tier in ("dram", "nvme", "s3"):
+                    r = results[tier][mib]
+                    print(f"{tier:5} {mib:3} MiB  " + "  ".join(
+                        f"{k}={v:.2f}" for k, v in r.items() if k.endswith("_ratio")))
+    finally:
+        if not a.dir:
+            shutil.rmtree(base, ignore_errors=True)
+
+    def worst(tier: str, kind: str) -> float:
+        return min(results[tier][m][f"{kind}_ratio"] for m in sizes)
+
+    results["ratios"] = {
+        "dram_put": worst("dram", "put"), "dram_get": worst("dram", "get"),
+        "nvme_write": worst("nvme", "write"), "nvme_read": worst("nvme", "read"),
+        "s3_put": worst("s3", "put"), "s3_get": worst("s3", "get"),
+    }
+    if a.json:
+        print(json.dumps(results))
+    else:
+        print(json.dumps(results["ratios"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

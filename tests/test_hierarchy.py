@@ -1,0 +1,306 @@
+"""TieredStore across real tiers: shared-memory DRAM, files, moto S3, Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from policies import make_admission
+from tiered_cache import codec
+from tiered_cache.directory import LocalDirectory, Pin, RedisDirectory
+from tiered_cache.hierarchy import PinRefused, TieredStore, TierSlot
+from tiered_cache.metrics import Metrics
+from tiered_cache.tiers.dram import DRAMTier
+from tiered_cache.tiers.nvme import NVMeTier
+from tiered_cache.tiers.s3 import S3Tier
+
+FP = b"\x02" * 16
+SLOT = 8192
+PAY = 4000
+
+
+def key(i: int) -> str:
+    return f"{i:032x}"
+
+
+def blob(k: str, fill: int = 1, n: int = PAY) -> bytes:
+    meta = codec.ChunkMeta(key=k, fingerprint=FP, num_tokens=16, dtype="uint8", shape=(n,))
+    return codec.encode(meta, bytes([fill % 256]) * n)
+
+
+def dram(slots: int) -> DRAMTier:
+    return DRAMTier(slots * SLOT, SLOT, shm_name=f"tc_h_{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+async def three_tier(nvme_dir: Path, s3_server, s3_bucket):  # type: ignore[no-untyped-def]
+    m = Metrics()
+    store = TieredStore(
+        [
+            TierSlot(dram(2)),
+            TierSlot(NVMeTier(nvme_dir, 4 * len(blob(key(0))), metrics=m)),
+            TierSlot(S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1",
+                            metrics=m)),
+        ],
+        metrics=m,
+    )
+    await store.open()
+    yield store
+    await store.close()
+
+
+async def test_write_back_demotes_and_promotes(three_tier: TieredStore) -> None:
+    s = three_tier
+    for i in range(7):
+        assert await s.put(key(i), blob(key(i), i))
+    await s.flush()
+    c = await s.contains([key(i) for i in range(7)])
+    assert c["dram"] == [False] * 5 + [True] * 2  # LRU kept the last two
+    assert c["nvme"] == [False, True, True, True, True, False, False]  # holds four
+    assert c["s3"] == [True] + [False] * 6  # chunk 0 demoted again, from NVMe
+    assert await s.lookup([key(i) for i in range(7)]) == ["s3"] + ["nvme"] * 4 + ["dram"] * 2
+    hit = await s.get(key(0), expect_fingerprint=FP)
+    assert hit is not None and hit.source == "s3" and bytes(hit.payload) == bytes([0]) * PAY
+    await s.flush()
+    assert (await s.contains([key(0)]))["dram"] == [True]  # promoted on hit
+    assert s.metrics.value("tiered_cache_evictions_total", tier="dram", reason="capacity") >= 5
+
+
+async def test_capacity_never_exceeded(three_tier: TieredStore) -> None:
+    for i in range(20):
+        await three_tier.put(key(i), blob(key(i), i))
+    await three_tier.flush()
+    for name, u in three_tier.usage().items():
+        cap = u["capacity_bytes"]
+        assert cap is None or (u["used_bytes"] or 0) <= cap, name
+
+
+async def test_write_through_and_corruption_falls_through(
+    nvme_dir: Path, s3_server, s3_bucket  # type: ignore[no-untyped-def]
+) -> None:
+    m = Metrics()
+    s3 = S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1")
+    store = TieredStore(
+        [TierSlot(dram(4)), TierSlot(NVMeTier(nvme_dir, None), write_mode="write_through"),
+         TierSlot(s3, write_mode="write_through")],
+        metrics=m,
+    )
+    await store.put(key(1), blob(key(1), 9), wait=True)
+    c = await store.contains([key(1)])
+    assert c == {"dram": [True], "nvme": [True], "s3": [True]}
+    await store.delete(key(1), tiers=["dram"])
+    # Flip a payload byte in the NVMe file: a miss there (counted, removed), then S3 serves.
+    f = next(nvme_dir.rglob(f"{key(1)}.kvc"))
+    raw = bytearray(f.read_bytes())
+    raw[codec.HEADER_SIZE + 5] ^= 0x40
+    f.write_bytes(raw)
+    hit = await store.get(key(1), expect_fingerprint=FP)
+    assert hit is not None and hit.source == "s3" and bytes(hit.payload) == bytes([9]) * PAY
+    assert m.value("tiered_cache_verification_failures_total", tier="nvme") == 1
+    assert (await store.contains([key(1)]))["nvme"] == [False]
+    # Now flip a byte in the S3 object too: with DRAM dropped, it is a clean miss.
+    await store.flush()
+    await store.delete(key(1), tiers=["dram", "nvme"])
+    okey = s3.object_key(key(1))
+    cli = s3_server.client()
+    body = bytearray(cli.get_object(Bucket=s3_bucket, Key=okey)["Body"].read())
+    body[-1] ^= 1
+    cli.put_object(Bucket=s3_bucket, Key=okey, Body=bytes(body))
+    assert await store.get(key(1), expect_fingerprint=FP) is None
+    assert m.value("tiered_cache_verification_failures_total", tier="s3") == 1
+    await store.close()
+
+
+async def test_fingerprint_mismatch_is_a_miss_not_data(nvme_dir: Path) -> None:
+    store = TieredStore([TierSlot(dram(2))])
+    await store.put(key(3), blob(key(3)))
+    assert await store.get(key(3), expect_fingerprint=b"\x09" * 16) is None
+    assert store.metrics.value("tiered_cache_verification_failures_total", tier="dram") == 1
+    await store.close()
+
+
+async def test_pins_survive_pressure_and_budget() -> None:
+    store = TieredStore([TierSlot(dram(4), pin_budget_fraction=0.5)])
+    for i in range(2):
+        await store.put(key(i), blob(key(i)))
+    pin = Pin(keys=[key(0), key(1)], tiers=["dram"], fingerprint="ab")
+    store.check_pin(pin, len(blob(key(0))))
+    store.apply_pins([pin])
+    for i in range(2, 30):
+        await store.put(key(i), blob(key(i)))
+    assert (await store.contains([key(0), key(1)]))["dram"] == [True, True]
+    too_big = Pin(keys=[key(i) for i in range(100, 103)], tiers=["dram"], fingerprint="ab")
+    with pytest.raises(PinRefused, match="pin budget"):
+        store.check_pin(too_big, len(blob(key(0))))
+    store.apply_pins([])  # unpinned: evictable again
+    for i in range(30, 40):
+        await store.put(key(i), blob(key(i)))
+    assert (await store.contains([key(0), key(1)]))["dram"] == [False, False]
+    await store.close()
+
+
+async def test_full_of_pins_refuses_cleanly() -> None:
+    store = TieredStore([TierSlot(dram(2), pin_budget_fraction=1.0)])
+    await store.put(key(0), blob(key(0)))
+    await store.put(key(1), blob(key(1)))
+    store.apply_pins([Pin(keys=[key(0), key(1)], tiers=["dram"], fingerprint="ab")])
+    assert not await store.put(key(2), blob(key(2)))
+    assert store.metrics.value("tiered_cache_write_errors_total", tier="dram", reason="full") == 1
+    assert await store.get(key(0)) is not None
+    await store.close()
+
+
+async def test_frequency_admission_spares_nvme(nvme_dir: Path) -> None:
+    store = TieredStore(
+        [TierSlot(dram(1)), TierSlot(NVMeTier(nvme_dir, None), write_mode="write_through",
+                                     admission=make_admission("frequency", k=2))]
+    )
+    await store.put(key(1), blob(key(1)), wait=True)
+    assert (await store.contains([key(1)]))["nvme"] == [False]
+    assert store.metrics.value("tiered_cache_admission_rejects_total", tier="nvme") == 1
+    await store.put(key(1), blob(key(1)), wait=True)
+    assert (await store.contains([key(1)]))["nvme"] == [True]
+    await store.close()
+
+
+async def test_concurrent_readers_and_writers_never_tear() -> None:
+    store = TieredStore([TierSlot(dram(3))])
+
+    async def writer(i: int) -> None:
+        await store.put(key(i % 4), blob(key(i % 4), fill=i))
+
+    async def reader(i: int) -> None:
+        hit = await store.get(key(i % 4), expect_fingerprint=FP)
+        if hit is not None:
+            p = bytes(hit.payload)
+            assert p == bytes([p[0]]) * PAY  # one writer's bytes, whole
+
+    await asyncio.gather(*[writer(i) if i % 2 else reader(i) for i in range(200)])
+    await store.close()
+
+
+async def test_two_nodes_share_s3_through_redis(
+    tmp_path: Path, redis_server, s3_server, s3_bucket  # type: ignore[no-untyped-def]
+) -> None:
+    dirs = [RedisDirectory.from_url(redis_server.url) for _ in range(2)]
+
+    def node(name: str, d: RedisDirectory) -> TieredStore:
+        return TieredStore(
+            [TierSlot(dram(2)), TierSlot(S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url,
+                                                region="us-east-1"), write_mode="write_through")],
+            node_id=name, directory=d,
+        )
+
+    a, b = node("a", dirs[0]), node("b", dirs[1])
+    for n, d in (("a", dirs[0]), ("b", dirs[1])):
+        await d.heartbeat(n, {}, 30)
+    keys = [key(i) for i in range(3)]
+    for k in keys:
+        await a.put(k, blob(k, 5), wait=True)
+    assert await b.lookup(keys + [key(99)]) == ["s3", "s3", "s3"]
+    hit = await b.get(keys[0], expect_fingerprint=FP)
+    assert hit is not None and hit.source == "s3"
+    # Redis goes away: node b keeps serving what it holds and still finds S3 chunks.
+    redis_server.stop()
+    await b.flush()
+    assert await b.lookup(keys[:1]) == ["dram"]
+    assert await b.lookup(keys[1:]) == ["s3", "s3"]
+    assert (await b.get(keys[1], expect_fingerprint=FP)) is not None
+    for s in (a, b):
+        await s.close()
+    for d in dirs:
+        await d.close()
+
+
+# --------------------------------------------------------------- property-based
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random put/get/pin/unpin/evict across DRAM + NVMe (write-back) with tiny capacities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.tmp = Path(tempfile.mkdtemp(prefix="tc-prop-"))
+        self.nvme_cap = 3 * len(blob(key(0)))
+        self.store = TieredStore(
+            [TierSlot(dram(2), pin_budget_fraction=1.0),
+             TierSlot(NVMeTier(self.tmp, self.nvme_cap), pin_budget_fraction=1.0)]
+        )
+        self.model: dict[str, int] = {}  # key -> fill last put
+        self.pinned: dict[str, set[str]] = {"dram": set(), "nvme": set()}
+
+    def run(self, coro):  # type: ignore[no-untyped-def]
+        return self.loop.run_until_complete(coro)
+
+    @rule(i=st.integers(0, 7), fill=st.integers(0, 255))
+    def put(self, i: int, fill: int) -> None:
+        if self.run(self.store.put(key(i), blob(key(i), fill))):
+            self.model[key(i)] = fill
+
+    @rule(i=st.integers(0, 7))
+    def get(self, i: int) -> None:
+        hit = self.run(self.store.get(key(i), expect_fingerprint=FP))
+        if hit is not None:
+            assert key(i) in self.model
+            assert bytes(hit.payload) == bytes([self.model[key(i)]]) * PAY
+        self.run(self.store.flush())
+
+    @rule(i=st.integers(0, 7))
+    def evict(self, i: int) -> None:
+        if key(i) in self.pinned["dram"] or key(i) in self.pinned["nvme"]:
+            return
+        self.run(self.store.delete(key(i)))
+        self.model.pop(key(i), None)
+
+    @precondition(lambda self: len(self.pinned["dram"]) < 1)
+    @rule(i=st.integers(0, 7), tier=st.sampled_from(["dram", "nvme"]))
+    def pin(self, i: int, tier: str) -> None:
+        if not (self.run(self.store.contains([key(i)])))[tier][0]:
+            return
+        self.pinned[tier].add(key(i))
+        self._apply()
+
+    @rule()
+    def unpin_all(self) -> None:
+        self.pinned = {"dram": set(), "nvme": set()}
+        self._apply()
+
+    def _apply(self) -> None:
+        pins = [Pin(keys=sorted(ks), tiers=[t], fingerprint="ab")
+                for t, ks in self.pinned.items() if ks]
+        self.store.apply_pins(pins)
+
+    @invariant()
+    def capacity_and_pins(self) -> None:
+        u = self.store.usage()
+        for name, v in u.items():
+            assert v["capacity_bytes"] is None or (v["used_bytes"] or 0) <= v["capacity_bytes"]
+        c = self.run(self.store.contains(sorted(self.pinned["dram"] | self.pinned["nvme"])))
+        for tier in ("dram", "nvme"):
+            ks = sorted(self.pinned["dram"] | self.pinned["nvme"])
+            for k, present in zip(ks, c[tier], strict=True):
+                if k in self.pinned[tier]:
+                    assert present, f"pinned {k} left {tier}"
+
+    def teardown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run(self.store.close())
+        self.loop.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+TestStoreProperties = StoreMachine.TestCase
+TestStoreProperties.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
