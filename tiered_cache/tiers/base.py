@@ -45,7 +45,7 @@ class Tier(abc.ABC):
         return n
 
     @abc.abstractmethod
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str) -> bytes | bytearray | None:
         """The stored bytes, unverified, or None when absent."""
 
     @abc.abstractmethod

@@ -1,0 +1,586 @@
+"""S3 tier: chunks as objects ``<prefix>/<key[:2]>/<key>.kvc`` in one bucket.
+
+boto3 is synchronous, so every request runs in a private thread pool whose size equals the
+client's connection pool: concurrency is bounded by ``max_concurrency`` and connections are
+reused. botocore's "standard" retry mode retries 5xx, throttling (SlowDown) and
+connect/read timeouts with jittered exponential backoff; a failure while *reading a
+response body* happens after botocore has returned, so this module retries those itself.
+Every retry is counted in ``metrics.s3_retries``.
+
+Large objects: uploads above ``multipart_threshold`` go up as a multipart upload with
+parts in parallel (one copy of each part, made in the worker thread). Reads ask for the
+first ``part_size`` bytes; the response headers give the total size, so for a larger object
+the remaining ranges are fetched in parallel (pinned to the first response's ETag) while
+the first body is still streaming, straight into one preallocated ``bytearray``. Objects
+up to ``part_size`` (the common case) cost one GET, and a reader need not know the size up
+front (a decode node reads chunks another node wrote). Reads split at ``part_size`` rather
+than ``multipart_threshold``: a ranged GET costs no extra requests, while a multipart
+upload costs two (create, complete), so only uploads wait for the higher threshold.
+On moto (a Python server) one stream is fastest; the split pays off against real S3,
+where a single connection tops out well below the NIC.
+
+Credentials come only from boto3's default chain (env, config files, instance role); they
+are never accepted as arguments, put in URLs, logged or shown in ``repr``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
+)
+
+from tiered_cache.keys import is_valid_key
+from tiered_cache.metrics import Metrics
+from tiered_cache.tiers.base import Tier, TierError, TierFull, TierUsage
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MIN_PART_SIZE = 5 * 2**20  # S3: every multipart part but the last must be >= 5 MiB
+MAX_PARTS = 10_000
+_SUFFIX = ".kvc"
+# Loose on purpose (S3-compatible stores allow more than AWS); rejects URLs and userinfo.
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+# A response body that broke off: botocore has already returned, so nothing retried it.
+_BODY_ERRORS = (HTTPClientError, IncompleteReadError, BotoConnectionError, OSError)
+
+
+class _ObjectChanged(Exception):
+    """The object was replaced between the ranged GETs of one read."""
+
+
+def _error_code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _describe(e: BaseException) -> str:
+    # ClientError/BotoCoreError messages hold the operation, code and endpoint, never
+    # credentials (signing material is not part of any exception text).
+    return f"{type(e).__name__}: {e}"
+
+
+def _normalise_prefix(prefix: str) -> str:
+    parts = [p for p in prefix.split("/") if p]
+    return "/".join(parts) + "/" if parts else ""
+
+
+class S3Tier(Tier):
+    name = "s3"
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        capacity_bytes: int | None = None,
+        max_concurrency: int = 16,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 10.0,
+        max_attempts: int = 4,
+        multipart_threshold: int = 16 * 2**20,
+        part_size: int = 8 * 2**20,
+        metrics: Metrics | None = None,
+        client: S3Client | None = None,
+    ) -> None:
+        if not _BUCKET_RE.match(bucket):
+            raise ValueError("bucket must be a bare bucket name")  # not echoed: may be a URL
+        if endpoint_url is not None and "@" in endpoint_url:
+            # Don't echo the URL: it holds the secret we refuse to carry.
+            raise ValueError("endpoint_url must not contain credentials; use the boto3 chain")
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        if max_concurrency < 1 or max_attempts < 1:
+            raise ValueError("max_concurrency and max_attempts must be >= 1")
+        if part_size < MIN_PART_SIZE:
+            raise ValueError(f"part_size must be >= {MIN_PART_SIZE} (S3 multipart minimum)")
+        if multipart_threshold < 1:
+            raise ValueError("multipart_threshold must be >= 1")
+        self.bucket = bucket
+        self.prefix = _normalise_prefix(prefix)
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.capacity_bytes = capacity_bytes
+        self.max_concurrency = max_concurrency
+        self.max_attempts = max_attempts
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.metrics = metrics
+
+        self._owns_client = client is None
+        if client is None:
+            cfg = Config(
+                max_pool_connections=max_concurrency,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                # botocore's "max_attempts" counts retries only; total_max_attempts is the
+                # AWS-wide meaning (first try included), which is what ours means too.
+                retries={"mode": "standard", "total_max_attempts": max_attempts},
+                user_agent_extra="tiered-cache",
+            )
+            # A private Session: the default one is not safe to share across threads.
+            client = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint_url, region_name=region, config=cfg
+            )
+        self._client: S3Client = client
+        self._client.meta.events.register(
+            "before-send.s3", self._on_before_send, unique_id=f"tiered-cache-{id(self)}"
+        )
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3tier")
+        self._closed = False
+
+        # Local index of this node's writes (plus the listing, when a budget is set).
+        # Only touched from the event loop thread, so it needs no lock.
+        self._index: dict[str, int] = {}
+        self._used = 0
+        self._reserved = 0  # bytes of puts in flight, so concurrent puts respect the budget
+        self._opened = False
+        self._open_lock: asyncio.Lock | None = None
+
+        self._retry_lock = threading.Lock()
+        self.retries = 0  # also without a Metrics, for tests and stats
+        self.head_errors = 0
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> S3Tier:
+        """``S3Tier.from_url("s3://bucket/some/prefix", endpoint_url=..., ...)``."""
+        if "@" in url:  # userinfo; checked on the raw string, as a secret may hold a "/"
+            raise ValueError("s3 URL must not contain credentials; use the boto3 chain")
+        u = urlsplit(url)
+        if u.scheme != "s3" or not u.netloc:
+            raise ValueError("expected an s3://bucket[/prefix] URL")
+        if "prefix" in kwargs:
+            raise ValueError("give the prefix in the URL, not as an argument")
+        return cls(u.netloc, prefix=u.path, **kwargs)
+
+    def __repr__(self) -> str:
+        ep = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return (
+            f"S3Tier(bucket={self.bucket!r}, prefix={self.prefix!r}{ep}, "
+            f"region={self.region!r}, capacity_bytes={self.capacity_bytes!r})"
+        )
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def object_key(self, key: str) -> str:
+        if not is_valid_key(key):
+            raise ValueError(f"invalid chunk key {key!r}")
+        return f"{self.prefix}{key[:2]}/{key}{_SUFFIX}"
+
+    def _key_of(self, object_key: str) -> str | None:
+        rest = object_key[len(self.prefix) :]
+        shard, _, name = rest.partition("/")
+        if not name.endswith(_SUFFIX):
+            return None
+        key = name[: -len(_SUFFIX)]
+        return key if is_valid_key(key) and shard == key[:2] else None
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._closed:
+            raise TierError("s3 tier is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def _on_before_send(self, request: Any = None, **_: Any) -> None:
+        # botocore bumps context["retries"]["attempt"] before each resend.
+        ctx = getattr(request, "context", None) or {}
+        if ctx.get("retries", {}).get("attempt", 1) > 1:
+            self._count_retry()
+
+    def _count_retry(self) -> None:
+        with self._retry_lock:
+            self.retries += 1
+        if self.metrics is not None:
+            self.metrics.s3_retries.inc()
+
+    def _backoff(self, attempt: int) -> None:
+        # Same shape as botocore's standard mode: full jitter, 50 ms base, capped.
+        time.sleep(random.random() * min(0.05 * 2 ** (attempt - 1), 5.0))
+
+    def _read_error(self, what: str, okey: str, e: BaseException) -> TierError:
+        if self.metrics is not None:
+            self.metrics.read_errors.labels(tier=self.name).inc()
+        log.warning("s3 %s %s failed: %s", what, okey, _describe(e))
+        return TierError(f"s3 {what} {okey}: {_describe(e)}")
+
+    def _write_error(self, okey: str, e: BaseException) -> TierError:
+        if self.metrics is not None:
+            self.metrics.write_errors.labels(tier=self.name, reason="io").inc()
+        log.warning("s3 put %s failed: %s", okey, _describe(e))
+        return TierError(f"s3 put {okey}: {_describe(e)}")
+
+    # -- sync workers (run in the pool) --------------------------------------------------
+
+    def _head(self, okey: str) -> bool | None:
+        """True/False, or None when the HEAD itself failed."""
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=okey)
+            return True
+        except ClientError as e:
+            if _error_code(e) in _NOT_FOUND:
+                return False
+            log.warning("s3 head %s failed: %s", okey, _describe(e))
+            return None
+        except BotoCoreError as e:
+            log.warning("s3 head %s failed: %s", okey, _describe(e))
+            return None
+
+    def _get_object(self, okey: str, rng: str | None = None, etag: str | None = None) -> Any:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": okey}
+        if rng is not None:
+            kw["Range"] = rng
+        if etag is not None:
+            kw["IfMatch"] = etag
+        return self._client.get_object(**kw)
+
+    @staticmethod
+    def _read_exact(body: Any, view: memoryview) -> None:
+        got = 0
+        n = view.nbytes
+        try:
+            while got < n:
+                r = body.readinto(view[got:])
+                if not r:
+                    raise IncompleteReadError(actual_bytes=got, expected_bytes=n)
+                got += r
+        finally:
+            body.close()
+
+    def _read_all(self, okey: str, body: Any) -> bytes:
+        """Whole small object; a broken body is refetched (botocore does not retry it)."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return bytes(body.read())
+            except _BODY_ERRORS:
+                body.close()
+                if attempt == self.max_attempts:
+                    raise
+                self._count_retry()
+                self._backoff(attempt)
+                body = self._get_object(okey)["Body"]
+        raise AssertionError("unreachable")
+
+    def _fetch_into(
+        self,
+        okey: str,
+        view: memoryview,
+        start: int,
+        etag: str,
+        total: int,
+        body: Any = None,
+        attempt: int = 1,
+    ) -> None:
+        """Fill ``view`` with bytes [start, start+len) of the object; retries broken bodies."""
+        while True:
+            try:
+                if body is None:
+                    resp = self._get_object(okey, f"bytes={start}-{start + view.nbytes - 1}", etag)
+                    if _total_size(resp) != total:
+                        resp["Body"].close()
+                        raise _ObjectChanged(okey)
+                    body = resp["Body"]
+                self._read_exact(body, view)
+                return
+            except _BODY_ERRORS:
+                if attempt >= self.max_attempts:
+                    raise
+                self._count_retry()
+                self._backoff(attempt)
+                attempt += 1
+                body = None
+
+    def _put_single(self, okey: str, data: bytes | memoryview) -> None:
+        # bytes go as is; anything else is copied once (botocore takes no memoryview), which
+        # also snapshots a bytearray the caller might reuse.
+        body = data if isinstance(data, bytes) else bytes(data)
+        self._client.put_object(Bucket=self.bucket, Key=okey, Body=body)
+
+    def _upload_part(self, okey: str, upload_id: str, number: int, part: memoryview) -> str:
+        # botocore takes bytes or a file, not a memoryview: copy here, off the event loop.
+        resp = self._client.upload_part(
+            Bucket=self.bucket, Key=okey, UploadId=upload_id, PartNumber=number, Body=bytes(part)
+        )
+        return resp["ETag"]
+
+    def _abort(self, okey: str, upload_id: str) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=okey, UploadId=upload_id)
+        except (ClientError, BotoCoreError) as e:  # parts left behind expire by lifecycle
+            log.warning("s3 abort multipart %s failed: %s", okey, _describe(e))
+
+    def _list(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix
+        )
+        for page in pages:
+            for obj in page.get("Contents", []):
+                key = self._key_of(obj["Key"])
+                if key is not None:
+                    found[key] = int(obj["Size"])
+        return found
+
+    # -- Tier API ------------------------------------------------------------------------
+
+    async def open(self) -> S3Tier:
+        """With a budget, rebuild usage from a listing of the prefix (once)."""
+        if self.capacity_bytes is None or self._opened:
+            return self
+        if self._open_lock is None:
+            self._open_lock = asyncio.Lock()
+        async with self._open_lock:
+            if not self._opened:
+                await self.rebuild_index()
+                self._opened = True
+        return self
+
+    async def rebuild_index(self) -> None:
+        """Merge a listing of the prefix into the local index (keeps writes made meanwhile)."""
+        try:
+            found = await self._run(self._list)
+        except (ClientError, BotoCoreError) as e:
+            raise self._read_error("list", self.prefix or "/", e) from e
+        self._index.update(found)
+        self._used = sum(self._index.values())
+        self._update_gauges()
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        okeys = [self.object_key(k) for k in keys]
+        # Keys not written here may have been written by another node: ask S3 (once each).
+        unknown = {k: ok for k, ok in zip(keys, okeys, strict=True) if k not in self._index}
+        found: dict[str, bool] = {}
+        if unknown:
+            results = await asyncio.gather(*(self._run(self._head, ok) for ok in unknown.values()))
+            for k, r in zip(unknown, results, strict=True):
+                if r is None:
+                    self.head_errors += 1
+                    if self.metrics is not None:
+                        self.metrics.read_errors.labels(tier=self.name).inc()
+                found[k] = bool(r)
+        return [k in self._index or found[k] for k in keys]
+
+    async def longest_prefix(self, keys: Sequence[str]) -> int:
+        # Probe in windows of max_concurrency: parallel, but a miss early in a long prompt
+        # doesn't cost a HEAD for every later chunk.
+        n = 0
+        while n < len(keys):
+            window = keys[n : n + self.max_concurrency]
+            hits = await self.contains_many(window)
+            for hit in hits:
+                if not hit:
+                    return n
+                n += 1
+        return n
+
+    async def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None when absent. Objects larger than ``part_size`` come
+        back as a ``bytearray`` (bytes-like) filled in place, to avoid copying them."""
+        okey = self.object_key(key)
+        try:
+            data = await self._get(okey)
+        except TierError:
+            raise
+        except Exception as e:  # anything unexpected from the wire is a miss, not a crash
+            raise self._read_error("get", okey, e) from e
+        if data is None:
+            if self._index.pop(key, None) is not None:  # deleted by someone else
+                self._recount()
+            return None
+        if self.metrics is not None:
+            self.metrics.bytes_read.labels(tier=self.name).inc(len(data))
+        return data
+
+    async def _get(self, okey: str) -> bytes | None:
+        for restart in (True, False):  # one restart if the object changes mid-read
+            try:
+                return await self._get_once(okey)
+            except ClientError as e:
+                code = _error_code(e)
+                if code in _NOT_FOUND:
+                    return None
+                if code == "InvalidRange":  # zero-length object: ranges don't apply
+                    resp = await self._run(self._get_object, okey)
+                    return await self._run(self._read_all, okey, resp["Body"])
+                if not (restart and code in ("PreconditionFailed", "412")):
+                    raise
+            except _ObjectChanged:
+                if not restart:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _get_once(self, okey: str) -> bytes | None:
+        ps = self.part_size
+        resp = await self._run(self._get_object, okey, f"bytes=0-{ps - 1}")
+        total = _total_size(resp)
+        body = resp["Body"]
+        if total <= ps or not resp.get("ContentRange"):  # whole object (or Range ignored)
+            return await self._run(self._read_all, okey, body)
+        etag = resp["ETag"]
+        buf = bytearray(total)
+        mv = memoryview(buf)
+        jobs = [self._run(self._fetch_into, okey, mv[:ps], 0, etag, total, body)]
+        jobs += [
+            self._run(self._fetch_into, okey, mv[a : a + ps], a, etag, total)
+            for a in range(ps, total, ps)
+        ]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            # Prefer the errors that change the outcome (gone, replaced) over plain I/O.
+            for err in errors:
+                if isinstance(err, ClientError) and _error_code(err) in _NOT_FOUND:
+                    raise err
+            for err in errors:
+                if isinstance(err, _ObjectChanged) or (
+                    isinstance(err, ClientError) and _error_code(err) == "PreconditionFailed"
+                ):
+                    raise err
+            raise errors[0]
+        return buf  # type: ignore[return-value]  # bytes-like; see the docstring
+
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        okey = self.object_key(key)
+        mv = memoryview(data).cast("B")
+        n = mv.nbytes
+        if self.capacity_bytes is not None:
+            await self.open()
+            old = self._index.get(key, 0)
+            if self._used + self._reserved - old + n > self.capacity_bytes:
+                raise TierFull(
+                    f"s3 budget: {self._used + self._reserved} used + {n} > {self.capacity_bytes}"
+                )
+        self._reserved += n
+        try:
+            if n > self.multipart_threshold:
+                await self._put_multipart(okey, mv)
+            else:
+                await self._run(self._put_single, okey, data if isinstance(data, bytes) else mv)
+        except TierError:
+            raise
+        except Exception as e:
+            raise self._write_error(okey, e) from e
+        finally:
+            self._reserved -= n
+        self._used += n - self._index.get(key, 0)
+        self._index[key] = n
+        self._update_gauges()
+        if self.metrics is not None:
+            self.metrics.bytes_written.labels(tier=self.name).inc(n)
+
+    async def _put_multipart(self, okey: str, mv: memoryview) -> None:
+        n = mv.nbytes
+        ps = max(self.part_size, -(-n // MAX_PARTS))
+        created = await self._run(
+            functools.partial(self._client.create_multipart_upload, Bucket=self.bucket, Key=okey)
+        )
+        upload_id = created["UploadId"]
+        try:
+            offsets = range(0, n, ps)
+            results = await asyncio.gather(
+                *(
+                    self._run(self._upload_part, okey, upload_id, i + 1, mv[a : a + ps])
+                    for i, a in enumerate(offsets)
+                ),
+                return_exceptions=True,  # wait for all, so the abort below finds no stragglers
+            )
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            parts = [{"PartNumber": i + 1, "ETag": str(e)} for i, e in enumerate(results)]
+            await self._run(
+                functools.partial(
+                    self._client.complete_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=okey,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},  # type: ignore[typeddict-item]
+                )
+            )
+        except BaseException:
+            # Unfinished parts are billed until aborted. Fire and forget: also on cancel.
+            with contextlib.suppress(RuntimeError):  # pool already shut down
+                self._pool.submit(self._abort, okey, upload_id)
+            raise
+
+    async def delete(self, key: str) -> bool:
+        okey = self.object_key(key)
+        try:
+            # S3 DELETE answers 204 whether or not the object existed; HEAD to tell.
+            existed = key in self._index or bool(await self._run(self._head, okey))
+            if existed:
+                await self._run(
+                    functools.partial(self._client.delete_object, Bucket=self.bucket, Key=okey)
+                )
+        except (ClientError, BotoCoreError) as e:
+            if self.metrics is not None:
+                self.metrics.write_errors.labels(tier=self.name, reason="io").inc()
+            log.warning("s3 delete %s failed: %s", okey, _describe(e))
+            raise TierError(f"s3 delete {okey}: {_describe(e)}") from e
+        if self._index.pop(key, None) is not None:
+            self._recount()
+        return existed
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self._used, self.capacity_bytes, len(self._index))
+
+    def entries(self) -> Iterator[tuple[str, int]]:
+        return iter(list(self._index.items()))
+
+    def size_of(self, key: str) -> int | None:
+        return self._index.get(key)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Let in-flight requests finish (bounded by the client timeouts) off the loop.
+        await asyncio.to_thread(self._pool.shutdown, wait=True)
+        self._client.meta.events.unregister("before-send.s3", unique_id=f"tiered-cache-{id(self)}")
+        if self._owns_client:
+            self._client.close()
+
+    def _recount(self) -> None:
+        self._used = sum(self._index.values())
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.used_bytes.labels(tier=self.name).set(self._used)
+            if self.capacity_bytes is not None:
+                self.metrics.capacity_bytes.labels(tier=self.name).set(self.capacity_bytes)
+
+
+def _total_size(resp: Any) -> int:
+    """Object size from a (ranged) GET: "bytes 0-99/1234" -> 1234."""
+    cr = resp.get("ContentRange")
+    if cr and "/" in cr and not cr.endswith("/*"):
+        return int(cr.rsplit("/", 1)[1])
+    return int(resp["ContentLength"])  # server ignored the Range: this is the whole object
