@@ -4,14 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.admission import AlwaysAdmit, FrequencyThreshold
+from policies.admission import AlwaysAdmit, FrequencyThreshold, TinyLFU
+from policies.arc import ARC
 from policies.base import AdmissionPolicy, EntryInfo, EvictionPolicy
+from policies.cost_aware import CostAware
+from policies.lfu import LFU
 from policies.lru import LRU
+from policies.prefix_aware import PrefixAware
+from policies.s3fifo import S3FIFO
+from policies.sieve import SIEVE
 
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {LRU.name: LRU}
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRU, LFU, ARC, S3FIFO, SIEVE, PrefixAware, CostAware)
+}
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
-    AlwaysAdmit.name: AlwaysAdmit,
-    FrequencyThreshold.name: FrequencyThreshold,
+    cls.name: cls for cls in (AlwaysAdmit, FrequencyThreshold, TinyLFU)
 }
 
 
@@ -35,10 +42,20 @@ def make_admission(name: str, **kwargs: Any) -> AdmissionPolicy:
 
 __all__ = [
     "ADMISSION_POLICIES",
+    "ARC",
     "EVICTION_POLICIES",
+    "LFU",
+    "LRU",
+    "S3FIFO",
+    "SIEVE",
     "AdmissionPolicy",
+    "AlwaysAdmit",
+    "CostAware",
     "EntryInfo",
     "EvictionPolicy",
+    "FrequencyThreshold",
+    "PrefixAware",
+    "TinyLFU",
     "make_admission",
     "make_eviction",
 ]
