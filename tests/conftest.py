@@ -120,3 +120,96 @@ def nvme_dir(tmp_path: Path) -> Path:
     d = tmp_path / "nvme"
     d.mkdir()
     return d
+
+
+REDIS_TEST_PASSWORD = "pw-Zq7-not-a-real-secret"
+
+
+@pytest.fixture
+def redis_server_auth() -> Iterator[RedisServer]:
+    """A private redis-server that requires ``REDIS_TEST_PASSWORD`` (``.url`` carries it)."""
+    port = free_port()
+    srv = RedisServer(port, _spawn_redis(port, REDIS_TEST_PASSWORD), REDIS_TEST_PASSWORD)
+    yield srv
+    srv.stop()
+
+
+@dataclass
+class RedisCluster:
+    ports: list[int]
+    procs: list[subprocess.Popen[bytes]]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            p.wait(timeout=10)
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """Free ports whose cluster bus port (port + 10000) is free too."""
+    import random
+
+    ports: list[int] = []
+    while len(ports) < n:
+        p = random.randint(20000, 45000)
+        if p in ports:
+            continue
+        try:
+            for candidate in (p, p + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        ports.append(p)
+    return ports
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A 3-master Redis Cluster (no replicas) shared by the session; ~1-2 s to start.
+
+    Tests must use their own key namespace."""
+    exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if exe is None or cli is None:
+        pytest.fail("redis-server/redis-cli are not installed (.ci/run installs them with apt)")
+    d = tmp_path_factory.mktemp("redis-cluster")
+    ports = _cluster_ports(3)
+    procs = []
+    for p in ports:
+        args = [
+            exe, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
+            "--cluster-node-timeout", "2000", "--dir", str(d),
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    cluster = RedisCluster(ports, procs)
+    try:
+        for p in ports:
+            wait_port(p)
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            states = [
+                subprocess.run(
+                    [cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True
+                ).stdout
+                for p in ports
+            ]
+            if all("cluster_state:ok" in s for s in states):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("redis cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        yield cluster
+    finally:
+        cluster.stop()
