@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiered_cache import codec  # noqa: E402
-from tiered_cache.keys import ModelFingerprint, chunk_keys  # noqa: E402
+from tiered_cache import codec
+from tiered_cache.keys import ModelFingerprint, chunk_keys
 
 MiB = 2**20
 
@@ -61,8 +61,15 @@ def _time(fn: Callable[[int], Any], n: int, warm: int = 2) -> list[float]:
 
 
 def _meta(key: str, n: int) -> codec.ChunkMeta:
-    return codec.ChunkMeta(key=key, fingerprint=FP.digest, num_tokens=256, dtype="uint8",
-                           shape=(n,), kv_layout="LBHNC", block_size=16)
+    return codec.ChunkMeta(
+        key=key,
+        fingerprint=FP.digest,
+        num_tokens=256,
+        dtype="uint8",
+        shape=(n,),
+        kv_layout="LBHNC",
+        block_size=16,
+    )
 
 
 FP = ModelFingerprint("bench", chunk_size=256, block_size=16)
@@ -84,11 +91,13 @@ def bench_dram(size: int, iters: int, tmp: Path) -> dict[str, Any]:
     ref = _stats(_time(lambda i: np.copyto(dst, payload), iters), size)
 
     slot = size + codec.HEADER_SIZE
-    cfg = load_config({
-        "node_id": f"bench-{uuid.uuid4().hex[:6]}",
-        "dram": {"capacity": slot * (iters + 4) + 8 * MiB, "slot_bytes": slot},
-        "agent": {"socket": str(tmp / f"a{size}.sock")},
-    })
+    cfg = load_config(
+        {
+            "node_id": f"bench-{uuid.uuid4().hex[:6]}",
+            "dram": {"capacity": slot * (iters + 4) + 8 * MiB, "slot_bytes": slot},
+            "agent": {"socket": str(tmp / f"a{size}.sock")},
+        }
+    )
     from tiered_cache.agent import EmbeddedAgent
 
     agent = EmbeddedAgent(cfg)
@@ -111,8 +120,13 @@ def bench_dram(size: int, iters: int, tmp: Path) -> dict[str, Any]:
         client.close()
         agent.stop()
     p, g = _stats(put, size), _stats(got, size)
-    return {"ref_memcpy": ref, "put": p, "get": g,
-            "put_ratio": p["gbps"] / ref["gbps"], "get_ratio": g["gbps"] / ref["gbps"]}
+    return {
+        "ref_memcpy": ref,
+        "put": p,
+        "get": g,
+        "put_ratio": p["gbps"] / ref["gbps"],
+        "get_ratio": g["gbps"] / ref["gbps"],
+    }
 
 
 # ---------------------------------------------------------------- NVMe
@@ -166,8 +180,15 @@ def bench_nvme(size: int, iters: int, root: Path) -> dict[str, Any]:
     finally:
         loop.close()
     wr, rr, ws, rs = (_stats(x, total) for x in (w_ref, r_ref, w, r))
-    return {"o_direct": odirect, "ref_write": wr, "ref_read": rr, "write": ws, "read": rs,
-            "write_ratio": ws["gbps"] / wr["gbps"], "read_ratio": rs["gbps"] / rr["gbps"]}
+    return {
+        "o_direct": odirect,
+        "ref_write": wr,
+        "ref_read": rr,
+        "write": ws,
+        "read": rs,
+        "write_ratio": ws["gbps"] / wr["gbps"],
+        "read_ratio": rs["gbps"] / rr["gbps"],
+    }
 
 
 # ---------------------------------------------------------------- S3
@@ -179,8 +200,11 @@ def bench_s3(size: int, iters: int) -> dict[str, Any]:
 
     from tiered_cache.tiers.s3 import S3Tier
 
-    for k, v in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
-                 ("AWS_DEFAULT_REGION", "us-east-1")):
+    for k, v in (
+        ("AWS_ACCESS_KEY_ID", "bench"),
+        ("AWS_SECRET_ACCESS_KEY", "bench"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
         os.environ.setdefault(k, v)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,8 +234,14 @@ def bench_s3(size: int, iters: int) -> dict[str, Any]:
         server.stop()
     total = len(blob)
     pr, gr, ps, gs = (_stats(x, total) for x in (p_ref, g_ref, p, g))
-    return {"ref_put": pr, "ref_get": gr, "put": ps, "get": gs,
-            "put_ratio": ps["gbps"] / pr["gbps"], "get_ratio": gs["gbps"] / gr["gbps"]}
+    return {
+        "ref_put": pr,
+        "ref_get": gr,
+        "put": ps,
+        "get": gs,
+        "put_ratio": ps["gbps"] / pr["gbps"],
+        "get_ratio": gs["gbps"] / gr["gbps"],
+    }
 
 
 def main() -> None:
@@ -221,10 +251,20 @@ def main() -> None:
     ap.add_argument("--sizes", default=None, help="comma list of MiB (default 2,8,32)")
     ap.add_argument("--dir", default=None, help="directory for NVMe files (default: a temp dir)")
     a = ap.parse_args()
-    sizes = [int(x) for x in (a.sizes or ("2,8,32" if not a.quick else "2,8,32")).split(",")]
-    iters = {"dram": 10 if a.quick else 40, "nvme": 6 if a.quick else 20, "s3": 4 if a.quick else 10}
-    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                               "sizes_mib": sizes, "iters": iters, "dram": {}, "nvme": {}, "s3": {}}
+    sizes = [int(x) for x in (a.sizes or "2,8,32").split(",")]
+    iters = {
+        "dram": 10 if a.quick else 40,
+        "nvme": 6 if a.quick else 20,
+        "s3": 4 if a.quick else 10,
+    }
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "sizes_mib": sizes,
+        "iters": iters,
+        "dram": {},
+        "nvme": {},
+        "s3": {},
+    }
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="tc-bench-", dir="/var/tmp"))
     try:
         for mib in sizes:
@@ -237,8 +277,10 @@ def main() -> None:
             if not a.json:
                 for tier in ("dram", "nvme", "s3"):
                     r = results[tier][mib]
-                    print(f"{tier:5} {mib:3} MiB  " + "  ".join(
-                        f"{k}={v:.2f}" for k, v in r.items() if k.endswith("_ratio")))
+                    print(
+                        f"{tier:5} {mib:3} MiB  "
+                        + "  ".join(f"{k}={v:.2f}" for k, v in r.items() if k.endswith("_ratio"))
+                    )
     finally:
         if not a.dir:
             shutil.rmtree(base, ignore_errors=True)
@@ -247,9 +289,12 @@ def main() -> None:
         return min(results[tier][m][f"{kind}_ratio"] for m in sizes)
 
     results["ratios"] = {
-        "dram_put": worst("dram", "put"), "dram_get": worst("dram", "get"),
-        "nvme_write": worst("nvme", "write"), "nvme_read": worst("nvme", "read"),
-        "s3_put": worst("s3", "put"), "s3_get": worst("s3", "get"),
+        "dram_put": worst("dram", "put"),
+        "dram_get": worst("dram", "get"),
+        "nvme_write": worst("nvme", "write"),
+        "nvme_read": worst("nvme", "read"),
+        "s3_put": worst("s3", "put"),
+        "s3_get": worst("s3", "get"),
     }
     if a.json:
         print(json.dumps(results))

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from policies import make_admission
 from tiered_cache import codec
-from tiered_cache.directory import LocalDirectory, Pin, RedisDirectory
+from tiered_cache.directory import Pin, RedisDirectory
 from tiered_cache.hierarchy import PinRefused, TieredStore, TierSlot
 from tiered_cache.metrics import Metrics
 from tiered_cache.tiers.dram import DRAMTier
@@ -48,8 +48,11 @@ async def three_tier(nvme_dir: Path, s3_server, s3_bucket):  # type: ignore[no-u
         [
             TierSlot(dram(2)),
             TierSlot(NVMeTier(nvme_dir, 4 * len(blob(key(0))), metrics=m)),
-            TierSlot(S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1",
-                            metrics=m)),
+            TierSlot(
+                S3Tier(
+                    s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1", metrics=m
+                )
+            ),
         ],
         metrics=m,
     )
@@ -85,13 +88,18 @@ async def test_capacity_never_exceeded(three_tier: TieredStore) -> None:
 
 
 async def test_write_through_and_corruption_falls_through(
-    nvme_dir: Path, s3_server, s3_bucket  # type: ignore[no-untyped-def]
+    nvme_dir: Path,
+    s3_server,
+    s3_bucket,  # type: ignore[no-untyped-def]
 ) -> None:
     m = Metrics()
     s3 = S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1")
     store = TieredStore(
-        [TierSlot(dram(4)), TierSlot(NVMeTier(nvme_dir, None), write_mode="write_through"),
-         TierSlot(s3, write_mode="write_through")],
+        [
+            TierSlot(dram(4)),
+            TierSlot(NVMeTier(nvme_dir, None), write_mode="write_through"),
+            TierSlot(s3, write_mode="write_through"),
+        ],
         metrics=m,
     )
     await store.put(key(1), blob(key(1), 9), wait=True)
@@ -161,8 +169,14 @@ async def test_full_of_pins_refuses_cleanly() -> None:
 
 async def test_frequency_admission_spares_nvme(nvme_dir: Path) -> None:
     store = TieredStore(
-        [TierSlot(dram(1)), TierSlot(NVMeTier(nvme_dir, None), write_mode="write_through",
-                                     admission=make_admission("frequency", k=2))]
+        [
+            TierSlot(dram(1)),
+            TierSlot(
+                NVMeTier(nvme_dir, None),
+                write_mode="write_through",
+                admission=make_admission("frequency", k=2),
+            ),
+        ]
     )
     await store.put(key(1), blob(key(1)), wait=True)
     assert (await store.contains([key(1)]))["nvme"] == [False]
@@ -189,15 +203,24 @@ async def test_concurrent_readers_and_writers_never_tear() -> None:
 
 
 async def test_two_nodes_share_s3_through_redis(
-    tmp_path: Path, redis_server, s3_server, s3_bucket  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    redis_server,
+    s3_server,
+    s3_bucket,  # type: ignore[no-untyped-def]
 ) -> None:
     dirs = [RedisDirectory.from_url(redis_server.url) for _ in range(2)]
 
     def node(name: str, d: RedisDirectory) -> TieredStore:
         return TieredStore(
-            [TierSlot(dram(2)), TierSlot(S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url,
-                                                region="us-east-1"), write_mode="write_through")],
-            node_id=name, directory=d,
+            [
+                TierSlot(dram(2)),
+                TierSlot(
+                    S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1"),
+                    write_mode="write_through",
+                ),
+            ],
+            node_id=name,
+            directory=d,
         )
 
     a, b = node("a", dirs[0]), node("b", dirs[1])
@@ -206,7 +229,7 @@ async def test_two_nodes_share_s3_through_redis(
     keys = [key(i) for i in range(3)]
     for k in keys:
         await a.put(k, blob(k, 5), wait=True)
-    assert await b.lookup(keys + [key(99)]) == ["s3", "s3", "s3"]
+    assert await b.lookup([*keys, key(99)]) == ["s3", "s3", "s3"]
     hit = await b.get(keys[0], expect_fingerprint=FP)
     assert hit is not None and hit.source == "s3"
     # Redis goes away: node b keeps serving what it holds and still finds S3 chunks.
@@ -233,8 +256,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.tmp = Path(tempfile.mkdtemp(prefix="tc-prop-"))
         self.nvme_cap = 3 * len(blob(key(0)))
         self.store = TieredStore(
-            [TierSlot(dram(2), pin_budget_fraction=1.0),
-             TierSlot(NVMeTier(self.tmp, self.nvme_cap), pin_budget_fraction=1.0)]
+            [
+                TierSlot(dram(2), pin_budget_fraction=1.0),
+                TierSlot(NVMeTier(self.tmp, self.nvme_cap), pin_budget_fraction=1.0),
+            ]
         )
         self.model: dict[str, int] = {}  # key -> fill last put
         self.pinned: dict[str, set[str]] = {"dram": set(), "nvme": set()}
@@ -276,14 +301,15 @@ class StoreMachine(RuleBasedStateMachine):
         self._apply()
 
     def _apply(self) -> None:
-        pins = [Pin(keys=sorted(ks), tiers=[t], fingerprint="ab")
-                for t, ks in self.pinned.items() if ks]
+        pins = [
+            Pin(keys=sorted(ks), tiers=[t], fingerprint="ab") for t, ks in self.pinned.items() if ks
+        ]
         self.store.apply_pins(pins)
 
     @invariant()
     def capacity_and_pins(self) -> None:
         u = self.store.usage()
-        for name, v in u.items():
+        for _name, v in u.items():
             assert v["capacity_bytes"] is None or (v["used_bytes"] or 0) <= v["capacity_bytes"]
         c = self.run(self.store.contains(sorted(self.pinned["dram"] | self.pinned["nvme"])))
         for tier in ("dram", "nvme"):
@@ -301,6 +327,8 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreProperties = StoreMachine.TestCase
 TestStoreProperties.settings = settings(
-    max_examples=40, stateful_step_count=25, deadline=None,
+    max_examples=40,
+    stateful_step_count=25,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -18,10 +18,10 @@ def test_keys_are_chained_deterministic_and_safe() -> None:
     assert k1 == chunk_keys(np.arange(100, dtype=np.int64), FP)
     assert all(is_valid_key(k) for k in k1)
     # Chained: changing the first token changes every key.
-    k2 = chunk_keys([1] + toks[1:], FP)
+    k2 = chunk_keys([1, *toks[1:]], FP)
     assert all(a != b for a, b in zip(k1, k2, strict=True))
     # Changing a token in chunk 2 keeps chunks 0-1.
-    k3 = chunk_keys(toks[:70] + [999] + toks[71:], FP)
+    k3 = chunk_keys([*toks[:70], 999, *toks[71:]], FP)
     assert k3[:2] == k1[:2] and k3[2] != k1[2]
 
 
@@ -57,8 +57,13 @@ def test_fingerprint_validation() -> None:
 
 def _meta(key: str, n: int = 32) -> codec.ChunkMeta:
     return codec.ChunkMeta(
-        key=key, fingerprint=FP.digest, num_tokens=n, dtype="float32", shape=(2, 4, 8),
-        kv_layout="LBHNC", block_size=16,
+        key=key,
+        fingerprint=FP.digest,
+        num_tokens=n,
+        dtype="float32",
+        shape=(2, 4, 8),
+        kv_layout="LBHNC",
+        block_size=16,
     )
 
 

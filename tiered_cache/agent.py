@@ -171,7 +171,10 @@ class NodeAgent:
             self._tasks.append(asyncio.ensure_future(self._every(fn, every)))
         log.info(
             "agent %s up: socket %s, peer %s, tiers %s",
-            self.cfg.node_id, path, self.peer_address, [s.name for s in self.store.slots],
+            self.cfg.node_id,
+            path,
+            self.peer_address,
+            [s.name for s in self.store.slots],
         )
 
     async def _every(self, fn: Callable[[], Any], interval: float) -> None:
@@ -308,7 +311,7 @@ class NodeAgent:
                 msg = await read_msg(r)
                 if msg is None:
                     break
-                data: bytes | None = None
+                data: bytes | bytearray | None = None
                 key = msg.get("key")
                 if msg.get("op") == "fetch" and isinstance(key, str):
                     for slot in self.store.slots:
@@ -375,6 +378,9 @@ class NodeAgent:
             }
         if op == "lookup":
             return {"sources": await store.lookup(msg["keys"])}
+        if op == "locate":  # nodes holding each key in DRAM/NVMe (for cache-aware routing)
+            locs = await self.directory.locate(msg["keys"])
+            return {"nodes": [sorted({x.node_id for x in ls if x.tier != "s3"}) for ls in locs]}
         if op == "get":
             fp = msg.get("fp")
             out: list[Any] = []
@@ -461,9 +467,11 @@ class NodeAgent:
                 if slot is None:
                     per[t] = "n/a"
                     continue
-                have = await slot.tier.contains_many(p.keys) if t != "s3" else [
-                    slot.tier.size_of(k) is not None for k in p.keys
-                ]
+                have = (
+                    await slot.tier.contains_many(p.keys)
+                    if t != "s3"
+                    else [slot.tier.size_of(k) is not None for k in p.keys]
+                )
                 n = sum(have)
                 per[t] = "resident" if n == len(p.keys) else ("missing" if n == 0 else "pending")
             out[p.id] = per

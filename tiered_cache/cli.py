@@ -176,8 +176,11 @@ class _Admin:
             return str(pin.id)
         c = self._agent()
         try:
-            return str(c.admin("pin_add", pin=pin.model_dump(), chunk_bytes=chunk_bytes,
-                               token=self.token)["id"])
+            return str(
+                c.admin("pin_add", pin=pin.model_dump(), chunk_bytes=chunk_bytes, token=self.token)[
+                    "id"
+                ]
+            )
         finally:
             c.close()
 
@@ -253,9 +256,22 @@ _token_opt = click.option(
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def pin_add(
-    config: str | None, token: str | None, text: str | None, file: str | None,
-    tokens: str | None, model: str | None, dtype: str, block_size: int, kv_layout: str,
-    tp_size: int, tiers: str, ttl: str, salt: str | None, note: str, owner: str, as_json: bool,
+    config: str | None,
+    token: str | None,
+    text: str | None,
+    file: str | None,
+    tokens: str | None,
+    model: str | None,
+    dtype: str,
+    block_size: int,
+    kv_layout: str,
+    tp_size: int,
+    tiers: str,
+    ttl: str,
+    salt: str | None,
+    note: str,
+    owner: str,
+    as_json: bool,
 ) -> None:
     """Pin a prefix: print its id, chunks and bytes."""
     from tiered_cache.directory import Pin
@@ -268,14 +284,20 @@ def pin_add(
         raise CliError(f"unknown tier {', '.join(bad) or '(none)'}; valid: {', '.join(TIERS)}")
     ttl_s = parse_duration(ttl)
     toks = _tokens(text, file, tokens, model)
-    keys_all = []
+    keys_all: list[str] = []
+    fp_hex = ""
     for rank in range(tp_size):
         fp = ModelFingerprint(
-            model_id=model or "default", dtype=dtype, kv_layout=kv_layout,
-            block_size=block_size, tp_rank=rank, tp_world_size=tp_size,
+            model_id=model or "default",
+            dtype=dtype,
+            kv_layout=kv_layout,
+            block_size=block_size,
+            tp_rank=rank,
+            tp_world_size=tp_size,
             chunk_size=cfg.chunk_size,
         )
         keys_all.extend(chunk_keys(toks, fp, cache_salt=salt))
+        fp_hex = fp_hex or fp.hex
     if not keys_all:
         raise CliError(
             f"prefix has {len(toks)} tokens, fewer than one chunk ({cfg.chunk_size}); "
@@ -285,13 +307,27 @@ def pin_add(
     _check_budget(cfg, tier_list, cb * len(keys_all))
     now = time.time()
     p = Pin(
-        id=uuid.uuid4().hex[:12], note=note, keys=keys_all, tiers=tier_list, ttl_s=ttl_s,
-        owner=owner, created_at=now, expires_at=now + ttl_s if ttl_s else None,
-        fingerprint="", num_tokens=len(toks), bytes_per_chunk=cb or None,
+        id=uuid.uuid4().hex[:12],
+        note=note,
+        keys=keys_all,
+        tiers=tier_list,
+        ttl_s=ttl_s,
+        owner=owner,
+        created_at=now,
+        expires_at=now + ttl_s if ttl_s else None,
+        fingerprint=fp_hex,
+        num_tokens=len(toks),
+        bytes_per_chunk=cb or None,
     )
     pin_id = _Admin(cfg, token).add(p, cb)
-    info = {"id": pin_id, "chunks": len(keys_all), "tokens": len(toks), "bytes": cb * len(keys_all),
-            "tiers": tier_list, "ttl_s": ttl_s}
+    info = {
+        "id": pin_id,
+        "chunks": len(keys_all),
+        "tokens": len(toks),
+        "bytes": cb * len(keys_all),
+        "tiers": tier_list,
+        "ttl_s": ttl_s,
+    }
     if as_json:
         click.echo(json.dumps(info))
     else:
@@ -324,20 +360,29 @@ def pin_ls(config: str | None, as_json: bool) -> None:
     now = time.time()
     rows = []
     for p in pins:
-        rows.append({
-            "id": p.id, "owner": p.owner, "age_s": round(now - p.created_at),
-            "ttl_left_s": None if p.expires_at is None else round(p.expires_at - now),
-            "chunks": len(p.keys), "tokens": p.num_tokens,
-            "bytes": (p.bytes_per_chunk or 0) * len(p.keys), "tiers": p.tiers,
-            "residency": res.get(p.id, {}), "note": p.note,
-        })
+        rows.append(
+            {
+                "id": p.id,
+                "owner": p.owner,
+                "age_s": round(now - p.created_at),
+                "ttl_left_s": None if p.expires_at is None else round(p.expires_at - now),
+                "chunks": len(p.keys),
+                "tokens": p.num_tokens,
+                "bytes": (p.bytes_per_chunk or 0) * len(p.keys),
+                "tiers": p.tiers,
+                "residency": res.get(p.id, {}),
+                "note": p.note,
+            }
+        )
     if as_json:
         click.echo(json.dumps(rows))
         return
     if not rows:
         click.echo("no pins")
         return
-    click.echo(f"{'ID':12}  {'OWNER':10} {'AGE':>7} {'TTL':>8} {'CHUNKS':>6} {'BYTES':>9}  RESIDENCY")
+    click.echo(
+        f"{'ID':12}  {'OWNER':10} {'AGE':>7} {'TTL':>8} {'CHUNKS':>6} {'BYTES':>9}  RESIDENCY"
+    )
     for r in rows:
         ttl = "none" if r["ttl_left_s"] is None else f"{r['ttl_left_s']}s"
         resid = " ".join(f"{t}={r['residency'].get(t, '?')}" for t in r["tiers"])
@@ -390,6 +435,39 @@ def stats(config: str | None, as_json: bool) -> None:
             f"  {tier:5} {_fmt_bytes(u['used_bytes'])}/{_fmt_bytes(cap) if cap else 'unbounded'}"
             f" {u['chunks']} chunks, pinned {_fmt_bytes(u['pinned_bytes'])}, hits {hits:.0f}"
         )
+
+
+@main.command()
+@click.option(
+    "--prefill", "prefill", multiple=True, required=True, help="Prefill server URL (repeat)."
+)
+@click.option(
+    "--decode", "decode", multiple=True, required=True, help="Decode server URL (repeat)."
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "-c",
+    "--config",
+    type=click.Path(dir_okay=False),
+    help="Cache config: makes routing cache-aware through the node agent.",
+)
+@friendly
+def router(
+    prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int, config: str | None
+) -> None:
+    """OpenAI-compatible P/D router (prefill max_tokens=1, then decode through the cache)."""
+    from tiered_cache.router import run_router
+
+    for u in prefill + decode:
+        if not u.startswith(("http://", "https://")):
+            raise CliError(f"backend URL must start with http:// or https://: {u!r}")
+    cache = None
+    if config:
+        from tiered_cache.client import connect
+
+        cache = connect(_load(config), embedded="never")
+    run_router(prefill, decode, host, port, cache=cache)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,11 @@ class AgentClient:
         self.tiers: list[str] = hello["tiers"]
         self.slot_bytes: int = hello["slot_bytes"]
         self._shm = attach_shm(hello["shm_name"]) if hello.get("shm_name") else None
-        self._buf = memoryview(self._shm.buf) if self._shm is not None else None
+        self._buf = (
+            memoryview(self._shm.buf)
+            if self._shm is not None and self._shm.buf is not None
+            else None
+        )
         if self._buf is not None:
             prefault(self._buf, write=False)
             maybe_pin_host_memory(self._buf)
@@ -68,6 +72,12 @@ class AgentClient:
         if not keys:
             return []
         return list(self._call({"op": "lookup", "keys": list(keys)})["sources"])
+
+    def locate(self, keys: Sequence[str]) -> list[list[str]]:
+        """Node ids holding each key in DRAM or NVMe, cluster-wide (from the directory)."""
+        if not keys:
+            return []
+        return [list(n) for n in self._call({"op": "locate", "keys": list(keys)})["nodes"]]
 
     def load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> list[bool]:
         """Verify each chunk and hand it to ``sink`` straight from shared memory.
@@ -119,7 +129,10 @@ class AgentClient:
         return out
 
     def put_many(
-        self, items: Sequence[tuple[ChunkMeta, PayloadLike]], *, wait: bool = False,
+        self,
+        items: Sequence[tuple[ChunkMeta, PayloadLike]],
+        *,
+        wait: bool = False,
         parents: Sequence[str | None] | None = None,
     ) -> None:
         if not items:
@@ -133,12 +146,18 @@ class AgentClient:
         )
         commits: list[list[Any]] = []
         try:
-            for i, ((meta, _), payload, slot) in enumerate(zip(items, payloads, slots, strict=True)):
+            for i, ((meta, _), payload, slot) in enumerate(
+                zip(items, payloads, slots, strict=True)
+            ):
                 parent = parents[i] if parents else None
                 if slot is None:  # no room in DRAM (or too large): inline copy to the agent
                     self._call(
-                        {"op": "put", "key": meta.key, "data": codec.encode(meta, payload),
-                         "wait": wait}
+                        {
+                            "op": "put",
+                            "key": meta.key,
+                            "data": codec.encode(meta, payload),
+                            "wait": wait,
+                        }
                     )
                     continue
                 dst = self._slot(slot, sizes[i])
@@ -189,10 +208,16 @@ def config_from_extra(extra_config: Mapping[str, Any]) -> CacheConfig:
         return load_config(
             {
                 "node_id": f"local-{tag}",
-                "dram": {"capacity": extra_config.get("dram_capacity", "256MiB"),
-                         "slot_bytes": extra_config.get("slot_bytes", "8MiB")},
-                "nvme": {"enabled": True, "path": d, "capacity": "4GiB",
-                         "write_mode": "write_through"},
+                "dram": {
+                    "capacity": extra_config.get("dram_capacity", "256MiB"),
+                    "slot_bytes": extra_config.get("slot_bytes", "8MiB"),
+                },
+                "nvme": {
+                    "enabled": True,
+                    "path": d,
+                    "capacity": "4GiB",
+                    "write_mode": "write_through",
+                },
                 "agent": {"socket": os.path.join(d, "agent.sock")},
             }
         )
@@ -200,7 +225,9 @@ def config_from_extra(extra_config: Mapping[str, Any]) -> CacheConfig:
     return load_config(dict(inline) if inline else None)
 
 
-def connect(cfg: CacheConfig, *, embedded: str = "auto", verify_payload: bool = True) -> AgentClient:
+def connect(
+    cfg: CacheConfig, *, embedded: str = "auto", verify_payload: bool = True
+) -> AgentClient:
     """Client for ``cfg``'s node agent; start one in-process if allowed and none runs."""
     path = cfg.socket_path
     try:
@@ -236,4 +263,3 @@ def shutdown_embedded() -> None:
         for agent in _embedded.values():
             agent.stop()
         _embedded.clear()
-

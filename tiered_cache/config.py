@@ -15,10 +15,20 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -117,7 +127,9 @@ class S3Config(TierPolicy):
 
     @model_validator(mode="after")
     def _url(self) -> S3Config:
-        if self.enabled and not re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", self.url):
+        if self.enabled and not re.match(
+            r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", self.url
+        ):
             raise ValueError(f"s3.url must look like s3://bucket/prefix, got {self.url!r}")
         return self
 
@@ -138,10 +150,10 @@ class CacheConfig(_Strict):
     redis_url: str | None = None
     location_ttl_s: float = Field(3600.0, gt=0)
     heartbeat_ttl_s: float = Field(15.0, gt=0)
-    dram: DramConfig = Field(default_factory=DramConfig)
-    nvme: NvmeConfig = Field(default_factory=NvmeConfig)
-    s3: S3Config = Field(default_factory=S3Config)
-    agent: AgentConfig = Field(default_factory=AgentConfig)
+    dram: DramConfig = Field(default_factory=lambda: DramConfig())
+    nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
+    s3: S3Config = Field(default_factory=lambda: S3Config())
+    agent: AgentConfig = Field(default_factory=lambda: AgentConfig())
 
     @model_validator(mode="after")
     def _some_tier(self) -> CacheConfig:

@@ -170,7 +170,12 @@ class TieredStore:
             await self._unpublish(slot.name, [key])
 
     async def _write_tier(
-        self, slot: TierSlot, key: str, data: bytes | memoryview, *, demotion: bool = False,
+        self,
+        slot: TierSlot,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        demotion: bool = False,
         force: bool = False,
     ) -> bool:
         """Admit, make room and store into one tier. False when refused."""
@@ -443,7 +448,12 @@ class TieredStore:
         tier.abort(slot)
 
     async def commit_dram(
-        self, key: str, slot: int, length: int, *, info: EntryInfo | None = None,
+        self,
+        key: str,
+        slot: int,
+        length: int,
+        *,
+        info: EntryInfo | None = None,
         wait: bool = False,
     ) -> None:
         """Publish a client-filled slot, then copy it down per the lower tiers' write modes."""
@@ -459,7 +469,9 @@ class TieredStore:
         self.metrics.bytes_written.labels(top.name).inc(length)
         await self._publish(top.name, [key])
         through = [
-            s for s in self.slots[1:] if s.write_mode == "write_through" or self._is_pinned(s.name, key)
+            s
+            for s in self.slots[1:]
+            if s.write_mode == "write_through" or self._is_pinned(s.name, key)
         ]
         if not through:
             return

@@ -114,9 +114,9 @@ def chunk_keys(
     return keys
 
 
-def chunk_spans(num_tokens: int, chunk_size: int, include_partial: bool = False) -> list[
-    tuple[int, int]
-]:
+def chunk_spans(
+    num_tokens: int, chunk_size: int, include_partial: bool = False
+) -> list[tuple[int, int]]:
     """[start, end) token spans matching ``chunk_keys`` order."""
     spans = [(i * chunk_size, (i + 1) * chunk_size) for i in range(num_tokens // chunk_size)]
     if include_partial and num_tokens % chunk_size:

@@ -19,7 +19,9 @@ class Metrics:
         self.lookups = Counter(p + "lookups", "Chunk lookups", ["tier"], registry=r)
         self.hits = Counter(p + "hits", "Chunk hits", ["tier"], registry=r)
         self.misses = Counter(p + "misses", "Chunk misses", ["tier"], registry=r)
-        self.hit_tokens = Counter(p + "hit_tokens", "Tokens served from a tier", ["tier"], registry=r)
+        self.hit_tokens = Counter(
+            p + "hit_tokens", "Tokens served from a tier", ["tier"], registry=r
+        )
         self.bytes_read = Counter(p + "read_bytes", "Bytes read", ["tier"], registry=r)
         self.bytes_written = Counter(p + "written_bytes", "Bytes written", ["tier"], registry=r)
         self.load_seconds = Histogram(
@@ -28,16 +30,16 @@ class Metrics:
         self.store_seconds = Histogram(
             p + "store_seconds", "Chunk store latency", ["tier"], buckets=_LAT_BUCKETS, registry=r
         )
-        self.evictions = Counter(
-            p + "evictions", "Chunks evicted", ["tier", "reason"], registry=r
-        )
+        self.evictions = Counter(p + "evictions", "Chunks evicted", ["tier", "reason"], registry=r)
         self.admission_rejects = Counter(
             p + "admission_rejects", "Writes refused by admission", ["tier"], registry=r
         )
         self.write_errors = Counter(
             p + "write_errors", "Writes that failed (full, I/O)", ["tier", "reason"], registry=r
         )
-        self.read_errors = Counter(p + "read_errors", "Reads that failed (I/O)", ["tier"], registry=r)
+        self.read_errors = Counter(
+            p + "read_errors", "Reads that failed (I/O)", ["tier"], registry=r
+        )
         self.verification_failures = Counter(
             p + "verification_failures", "Chunks that failed verification", ["tier"], registry=r
         )

@@ -101,6 +101,7 @@ class DRAMTier(Tier):
         self.slot_bytes = slot_bytes
         self.num_slots = n
         self._shm, created = self._open_shm(shm_name, n * slot_bytes, recover)
+        assert self._shm.buf is not None
         self._buf = memoryview(self._shm.buf)[: n * slot_bytes]
         if created:
             prefault(self._buf, write=True)

@@ -1,0 +1,384 @@
+"""OpenAI-compatible P/D router: prefill (max_tokens=1) on one server, decode on another,
+the KV moving between them through the cache tiers.
+
+Follows vLLM's P/D proxy protocol: the prefill request carries
+``kv_transfer_params={"do_remote_decode": true}``; the prefill server's connector answers
+with ``kv_transfer_params`` (here including the chunk fingerprint and its node id), which
+go to the decode request unchanged.
+
+Cache-aware: the router tokenizes the prompt on a decode server (``/tokenize``), computes
+the chunk keys, and asks the cache where they are. If the whole chunk-aligned prompt is
+already loadable it skips prefill; otherwise it picks the prefill server whose node holds
+the longest cached prefix, weighed against its in-flight load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tiered_cache.keys import ModelFingerprint, chunk_keys
+
+log = logging.getLogger("tiered_cache.router")
+
+FINGERPRINT_FIELDS = (
+    "model_id",
+    "dtype",
+    "kv_layout",
+    "block_size",
+    "tp_rank",
+    "tp_world_size",
+    "chunk_size",
+)
+
+
+@dataclass
+class Backend:
+    url: str
+    role: str
+    inflight: int = 0
+    healthy: bool = True
+    failures: int = 0
+    node_id: str | None = None
+    last_error: str = ""
+
+    def score_load(self) -> float:
+        return float(self.inflight)
+
+
+@dataclass
+class RouterStats:
+    requests: int = 0
+    prefill_skipped: int = 0
+    errors: int = 0
+    per_backend: dict[str, int] = field(default_factory=dict)
+
+
+class Router:
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        cache: Any | None = None,
+        load_weight: float = 1.0,
+        timeout_s: float = 600.0,
+        health_interval_s: float = 2.0,
+    ) -> None:
+        if not prefill or not decode:
+            raise ValueError("the router needs at least one prefill and one decode server")
+        self.prefill = [Backend(u.rstrip("/"), "prefill") for u in prefill]
+        self.decode = [Backend(u.rstrip("/"), "decode") for u in decode]
+        self.cache = cache  # an AgentClient (lookup + locate), optional
+        self.load_weight = load_weight
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.health_interval_s = health_interval_s
+        self.fingerprints: dict[str, dict[str, Any]] = {}  # model -> fingerprint params
+        self.stats = RouterStats()
+        self._rr = itertools.count()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    # ---------------------------------------------------------------- app
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/router/stats", self.stats_handler)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _: web.Application) -> None:
+        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._health_task = asyncio.ensure_future(self._health_loop())
+
+    async def _cleanup(self, _: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None
+        return self._session
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(b) for b in self.prefill + self.decode))
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _probe(self, b: Backend) -> None:
+        try:
+            async with self.session.get(
+                b.url + "/health", timeout=aiohttp.ClientTimeout(total=2)
+            ) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if ok != b.healthy:
+            log.warning("%s backend %s is now %s", b.role, b.url, "up" if ok else "DOWN")
+        b.healthy = ok
+        if ok:
+            b.failures = 0
+
+    def _mark_failed(self, b: Backend, err: str) -> None:
+        b.failures += 1
+        b.last_error = err
+        if b.failures >= 1:
+            b.healthy = False  # out of rotation until the health probe sees it again
+        log.warning("%s backend %s failed: %s", b.role, b.url, err)
+
+    async def health(self, _: web.Request) -> web.Response:
+        up_p = [b.url for b in self.prefill if b.healthy]
+        up_d = [b.url for b in self.decode if b.healthy]
+        body = {"prefill": up_p, "decode": up_d}
+        return web.json_response(body, status=200 if up_d else 503)
+
+    async def models(self, _: web.Request) -> web.StreamResponse:
+        b = self._pick_decode()
+        if b is None:
+            return _error(503, "no healthy decode server")
+        async with self.session.get(b.url + "/v1/models") as r:
+            return web.json_response(await r.json(), status=r.status)
+
+    async def stats_handler(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "requests": self.stats.requests,
+                "prefill_skipped": self.stats.prefill_skipped,
+                "errors": self.stats.errors,
+                "per_backend": self.stats.per_backend,
+                "backends": [
+                    {
+                        "url": b.url,
+                        "role": b.role,
+                        "healthy": b.healthy,
+                        "inflight": b.inflight,
+                        "node_id": b.node_id,
+                    }
+                    for b in self.prefill + self.decode
+                ],
+            }
+        )
+
+    # ---------------------------------------------------------------- choice
+
+    def _pick_decode(self) -> Backend | None:
+        live = [b for b in self.decode if b.healthy]
+        if not live:
+            return None
+        return min(live, key=lambda b: (b.inflight, next(self._rr) % len(live)))
+
+    async def _prompt_keys(self, path: str, body: dict[str, Any]) -> list[str] | None:
+        """Chunk keys of the prompt, when the model's fingerprint is known."""
+        fpp = self.fingerprints.get(str(body.get("model")))
+        dec = self._pick_decode()
+        if fpp is None or dec is None or self.cache is None:
+            return None
+        req: dict[str, Any] = {"model": body.get("model")}
+        if path.endswith("chat/completions"):
+            req["messages"] = body.get("messages", [])
+            for k in ("chat_template", "add_generation_prompt", "chat_template_kwargs"):
+                if k in body:
+                    req[k] = body[k]
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                return None  # token-id or batched prompts: no cache-aware routing
+            req["prompt"] = prompt
+        try:
+            async with self.session.post(dec.url + "/tokenize", json=req) as r:
+                if r.status != 200:
+                    return None
+                toks = (await r.json())["tokens"]
+        except (aiohttp.ClientError, KeyError, asyncio.TimeoutError):
+            return None
+        fp = ModelFingerprint(**{k: fpp[k] for k in FINGERPRINT_FIELDS})
+        # vLLM always computes the last prompt token itself: only whole chunks of the
+        # first n-1 tokens can come from the cache.
+        return chunk_keys(toks[:-1], fp, cache_salt=body.get("cache_salt"))
+
+    async def _choose_prefill(self, keys: list[str] | None) -> tuple[Backend | None, bool]:
+        """(prefill backend, skip_prefill)."""
+        live = [b for b in self.prefill if b.healthy]
+        if keys and self.cache is not None:
+            try:
+                sources = await asyncio.to_thread(self.cache.lookup, keys)
+            except Exception as e:  # the cache is an optimisation for routing
+                log.debug("cache lookup failed: %s", e)
+                sources = []
+            if keys and len(sources) == len(keys):
+                return None, True
+            if live and keys:
+                try:
+                    locs = await asyncio.to_thread(self.cache.locate, keys)
+                except Exception:
+                    locs = None
+                if locs is not None:
+
+                    def cached_prefix(node: str | None) -> int:
+                        n = 0
+                        for ls in locs:
+                            if node is None or node not in ls:
+                                break
+                            n += 1
+                        return n
+
+                    best = max(
+                        live,
+                        key=lambda b: (
+                            cached_prefix(b.node_id) - self.load_weight * b.inflight,
+                            -b.inflight,
+                        ),
+                    )
+                    return best, False
+        if not live:
+            return None, False
+        return min(live, key=lambda b: (b.inflight, next(self._rr) % len(live))), False
+
+    # ---------------------------------------------------------------- proxy
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.stats.requests += 1
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "request body must be JSON")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object")
+        path = request.path
+        rid = request.headers.get("X-Request-Id") or f"tc-{time.monotonic_ns():x}"
+        keys = await self._prompt_keys(path, body)
+        pre, skip = await self._choose_prefill(keys)
+        kv_params: dict[str, Any] = {"do_remote_prefill": True}
+        if skip:
+            self.stats.prefill_skipped += 1
+        else:
+            if pre is None:
+                self.stats.errors += 1
+                return _error(503, "no healthy prefill server")
+            got = await self._prefill(pre, path, body, rid)
+            if isinstance(got, web.Response):
+                return got
+            kv_params = got
+        dec = self._pick_decode()
+        if dec is None:
+            self.stats.errors += 1
+            return _error(503, "no healthy decode server")
+        dbody = dict(body)
+        dbody["kv_transfer_params"] = kv_params
+        return await self._decode(dec, path, dbody, rid, request)
+
+    async def _prefill(
+        self, b: Backend, path: str, body: dict[str, Any], rid: str
+    ) -> dict[str, Any] | web.Response:
+        pbody = dict(body)
+        pbody.update(
+            max_tokens=1,
+            stream=False,
+            kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+        )
+        if "max_completion_tokens" in pbody:
+            pbody["max_completion_tokens"] = 1
+        for k in ("stream_options", "min_tokens", "min_completion_tokens"):
+            pbody.pop(k, None)
+        b.inflight += 1
+        self.stats.per_backend[b.url] = self.stats.per_backend.get(b.url, 0) + 1
+        try:
+            async with self.session.post(
+                b.url + path, json=pbody, headers={"X-Request-Id": rid}
+            ) as r:
+                data = await r.read()
+                if r.status != 200:
+                    if r.status >= 500:
+                        self._mark_failed(b, f"HTTP {r.status}")
+                    self.stats.errors += 1
+                    return _passthrough_error(r.status, data, "prefill")
+                resp = json.loads(data)
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            self._mark_failed(b, str(e) or type(e).__name__)
+            self.stats.errors += 1
+            return _error(502, f"prefill server {b.url} failed: {type(e).__name__}")
+        finally:
+            b.inflight -= 1
+        params = resp.get("kv_transfer_params") or {"do_remote_prefill": True}
+        fpp = params.get("tc_fingerprint")
+        if isinstance(fpp, dict) and all(k in fpp for k in FINGERPRINT_FIELDS):
+            self.fingerprints[str(body.get("model"))] = fpp
+        if params.get("tc_node_id"):
+            b.node_id = str(params["tc_node_id"])
+        return dict(params)
+
+    async def _decode(
+        self, b: Backend, path: str, body: dict[str, Any], rid: str, request: web.Request
+    ) -> web.StreamResponse:
+        b.inflight += 1
+        self.stats.per_backend[b.url] = self.stats.per_backend.get(b.url, 0) + 1
+        try:
+            async with self.session.post(
+                b.url + path, json=body, headers={"X-Request-Id": rid}
+            ) as r:
+                if r.status != 200:
+                    data = await r.read()
+                    if r.status >= 500:
+                        self._mark_failed(b, f"HTTP {r.status}")
+                    self.stats.errors += 1
+                    return _passthrough_error(r.status, data, "decode")
+                if not body.get("stream"):
+                    return web.Response(
+                        body=await r.read(), status=200, content_type="application/json"
+                    )
+                out = web.StreamResponse(
+                    status=200,
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+                )
+                await out.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._mark_failed(b, str(e) or type(e).__name__)
+            self.stats.errors += 1
+            return _error(502, f"decode server {b.url} failed: {type(e).__name__}")
+        finally:
+            b.inflight -= 1
+
+
+def _error(status: int, msg: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": msg, "type": "router_error", "code": status}}, status=status
+    )
+
+
+def _passthrough_error(status: int, data: bytes, stage: str) -> web.Response:
+    try:
+        err = json.loads(data)
+        msg = err.get("error", {}).get("message") or err.get("message") or str(err)
+    except (json.JSONDecodeError, AttributeError):
+        msg = data.decode(errors="replace")[:500]
+    return _error(status if status < 500 else 502, f"{stage} server error ({status}): {msg}")
+
+
+def run_router(
+    prefill: Sequence[str], decode: Sequence[str], host: str, port: int, cache: Any | None = None
+) -> None:
+    router = Router(prefill, decode, cache=cache)
+    web.run_app(router.app(), host=host, port=port, print=lambda *_: None)
