@@ -291,3 +291,25 @@ def test_cli_unreachable_redis_hides_password(tmp_path: Path) -> None:
     assert r.returncode != 0
     assert "127.0.0.1:1" in r.stderr and "hunter2" not in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_client_survives_agent_restart(tmp_path: Path) -> None:
+    cfg = write_cfg(tmp_path)
+    proc = start_agent(cfg)
+    sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
+    c = AgentClient(sock)
+    keys = chunk_keys(np.arange(32 * 2), FP)
+    c.put_many([(meta(keys[0]), payload(0))])
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    proc = start_agent(cfg)
+    try:
+        # Same client object: it reconnects, and the written-back chunk is still served.
+        assert c.lookup(keys) == ["nvme"]
+        c.put_many([(meta(keys[1]), payload(1))])
+        got = c.get_many(keys, FP.digest)
+        assert [bytes(g[1]) for g in got if g] == [payload(0), payload(1)]
+        c.close()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -9,6 +9,7 @@ and the model fingerprint; anything else is a miss.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -16,15 +17,16 @@ import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from tiered_cache import codec
 from tiered_cache.api import PayloadLike
 from tiered_cache.codec import ChunkMeta
 from tiered_cache.config import CacheConfig, load_config
-from tiered_cache.ipc import IPCError, call_sync
+from tiered_cache.ipc import ConnectionLost, IPCError, call_sync
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
 # Called with (index in request, meta, payload view) while the slot is leased: copy out now.
@@ -35,18 +37,30 @@ class AgentClient:
     """ChunkStore backed by a node agent. Thread-safe (one request at a time)."""
 
     def __init__(self, socket_path: str, *, verify_payload: bool = True, timeout: float = 60.0):
-        from tiered_cache.tiers.dram import attach_shm, maybe_pin_host_memory, prefault
-
         self.socket_path = socket_path
         self.verify_payload = verify_payload
+        self.timeout = timeout
         self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        self._sock.connect(socket_path)
-        hello = self._call({"op": "hello"})
+        self._shm: Any = None
+        self._buf: memoryview | None = None
+        self._connect()
+
+    def _connect(self) -> None:
+        from tiered_cache.tiers.dram import attach_shm, maybe_pin_host_memory, prefault
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        hello = call_sync(sock, {"op": "hello"})
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
         self.slot_bytes: int = hello["slot_bytes"]
+        # Views handed out earlier keep the old mapping alive; they are not reused.
         self._shm = attach_shm(hello["shm_name"]) if hello.get("shm_name") else None
         self._buf = (
             memoryview(self._shm.buf)
@@ -61,6 +75,19 @@ class AgentClient:
         with self._lock:
             return call_sync(self._sock, msg)
 
+    def _retry(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``; if the agent restarted under us, reconnect once and run it again
+        (the agent dropped our leases and reservations with the old connection)."""
+        try:
+            return fn()
+        except ConnectionLost as e:
+            log.warning("agent at %s went away (%s): reconnecting", self.socket_path, e)
+            with self._lock:
+                with contextlib.suppress(OSError):
+                    self._sock.close()
+                self._connect()
+            return fn()
+
     def _slot(self, slot: int, length: int) -> memoryview:
         assert self._buf is not None
         off = slot * self.slot_bytes
@@ -71,19 +98,27 @@ class AgentClient:
     def lookup(self, keys: Sequence[str]) -> list[str]:
         if not keys:
             return []
-        return list(self._call({"op": "lookup", "keys": list(keys)})["sources"])
+        return self._retry(
+            lambda: list(self._call({"op": "lookup", "keys": list(keys)})["sources"])
+        )
 
     def locate(self, keys: Sequence[str]) -> list[list[str]]:
         """Node ids holding each key in DRAM or NVMe, cluster-wide (from the directory)."""
         if not keys:
             return []
-        return [list(n) for n in self._call({"op": "locate", "keys": list(keys)})["nodes"]]
+        reply = self._retry(lambda: self._call({"op": "locate", "keys": list(keys)}))
+        return [list(n) for n in reply["nodes"]]
 
     def load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> list[bool]:
         """Verify each chunk and hand it to ``sink`` straight from shared memory.
         Returns which keys were delivered; the rest are misses."""
         if not keys:
             return []
+        return self._retry(lambda: self._load_many(keys, fingerprint, sink))
+
+    def _load_many(
+        self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink
+    ) -> list[bool]:
         items = self._call({"op": "get", "keys": list(keys), "fp": fingerprint})["items"]
         ok = [False] * len(keys)
         leased: list[int] = []
@@ -137,6 +172,14 @@ class AgentClient:
     ) -> None:
         if not items:
             return
+        self._retry(lambda: self._put_many(items, wait, parents))
+
+    def _put_many(
+        self,
+        items: Sequence[tuple[ChunkMeta, PayloadLike]],
+        wait: bool,
+        parents: Sequence[str | None] | None,
+    ) -> None:
         payloads = [memoryview(p).cast("B") for _, p in items]
         sizes = [codec.HEADER_SIZE + p.nbytes for p in payloads]
         slots: list[int | None] = (
@@ -174,7 +217,7 @@ class AgentClient:
             self._call({"op": "commit", "items": commits, "wait": wait})
 
     def admin(self, op: str, **kw: Any) -> dict[str, Any]:
-        return self._call({"op": op, **kw})
+        return self._retry(lambda: self._call({"op": op, **kw}))
 
     def close(self) -> None:
         try:

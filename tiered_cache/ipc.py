@@ -21,6 +21,10 @@ class IPCError(Exception):
     """The peer answered with an error, or the connection broke."""
 
 
+class ConnectionLost(IPCError, ConnectionError):
+    """The peer went away mid-conversation (restart, crash)."""
+
+
 def pack(msg: dict[str, Any]) -> bytes:
     body = msgpack.packb(msg, use_bin_type=True)
     return _LEN.pack(len(body)) + body
@@ -46,16 +50,22 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     view = memoryview(buf)
     got = 0
     while got < n:
-        r = sock.recv_into(view[got:], n - got)
+        try:
+            r = sock.recv_into(view[got:], n - got)
+        except ConnectionResetError as e:
+            raise ConnectionLost(f"agent connection reset: {e}") from e
         if r == 0:
-            raise IPCError("connection closed by the agent")
+            raise ConnectionLost("connection closed by the agent")
         got += r
     return buf
 
 
 def call_sync(sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
     """One blocking request/response on a connected socket."""
-    sock.sendall(pack(msg))
+    try:
+        sock.sendall(pack(msg))
+    except OSError as e:
+        raise ConnectionLost(f"agent connection broken: {e}") from e
     (n,) = _LEN.unpack(_recv_exact(sock, 4))
     reply = msgpack.unpackb(_recv_exact(sock, n), raw=False)
     if not isinstance(reply, dict):
