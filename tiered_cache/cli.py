@@ -470,5 +470,53 @@ def router(
     run_router(prefill, decode, host, port, cache=cache)
 
 
+# ------------------------------------------------------------------- simulate
+
+
+@main.command()
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option(
+    "--tier",
+    "tier_specs",
+    multiple=True,
+    required=True,
+    metavar="NAME=SIZE[:EVICTION[:ADMISSION]]",
+    help="A tier, top first (repeat): dram=8000 (blocks) or nvme=2TiB (bytes, see --block-bytes).",
+)
+@click.option("--policy", default="all", show_default=True, help="Eviction policy, a,b,c or all.")
+@click.option("--admission", default="always", show_default=True, help="Admission policy.")
+@click.option(
+    "--block-bytes",
+    default="64MiB",
+    show_default=True,
+    help="Bytes per 512-token block (default: Llama-3.1-8B bf16 KV).",
+)
+@click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (last line).")
+@friendly
+def simulate(
+    trace: str,
+    tier_specs: tuple[str, ...],
+    policy: str,
+    admission: str,
+    block_bytes: str,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """Replay a Mooncake-format TRACE through the real hierarchy and policies."""
+    from tiered_cache import simulate as sim
+    from tiered_cache.config import parse_size
+
+    nbytes = parse_size(block_bytes)
+    if nbytes < 1:
+        raise CliError("--block-bytes must be at least 1 byte")
+    tiers = [sim.parse_tier(s, nbytes) for s in tier_specs]
+    policies = sim.parse_policies(policy)
+    sim.check_admission(admission)
+    records = sim.load_trace(trace, limit)
+    rep = sim.run(records, tiers, policies, admission, nbytes)
+    click.echo(json.dumps(rep) if as_json else sim.format_report(rep))
+
+
 if __name__ == "__main__":
     sys.exit(main())

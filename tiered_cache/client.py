@@ -42,6 +42,7 @@ class AgentClient:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._shm: Any = None
+        self._stale: list[Any] = []
         self._buf: memoryview | None = None
         self._connect()
 
@@ -60,7 +61,10 @@ class AgentClient:
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
         self.slot_bytes: int = hello["slot_bytes"]
-        # Views handed out earlier keep the old mapping alive; they are not reused.
+        if self._shm is not None:
+            # Views handed out earlier may still point into the old mapping: keep it
+            # referenced (closing it would fail while views exist) and never reuse it.
+            self._stale.append(self._shm)
         self._shm = attach_shm(hello["shm_name"]) if hello.get("shm_name") else None
         self._buf = (
             memoryview(self._shm.buf)

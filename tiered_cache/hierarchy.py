@@ -80,6 +80,10 @@ class TieredStore:
             raise ValueError(f"duplicate tiers: {names}")
         self.slots = list(tiers)
         self.by_name = {s.name: s for s in self.slots}
+        self._next_slot = {
+            s.name: (self.slots[i + 1] if i + 1 < len(self.slots) else None)
+            for i, s in enumerate(self.slots)
+        }
         self.node_id = node_id
         self.directory = directory
         self.metrics = metrics or Metrics()
@@ -142,8 +146,7 @@ class TieredStore:
             await self.directory.unpublish(self.node_id, tier, keys)
 
     def _below(self, slot: TierSlot) -> TierSlot | None:
-        i = self.slots.index(slot)
-        return self.slots[i + 1] if i + 1 < len(self.slots) else None
+        return self._next_slot[slot.name]
 
     # ---------------------------------------------------------------- eviction
 
@@ -167,7 +170,8 @@ class TieredStore:
         slot.eviction.on_remove(key)
         if await slot.tier.delete(key):
             self.metrics.evictions.labels(slot.name, reason).inc()
-            await self._unpublish(slot.name, [key])
+            if self.directory is not None:
+                await self._unpublish(slot.name, [key])
 
     async def _write_tier(
         self,
@@ -180,14 +184,15 @@ class TieredStore:
     ) -> bool:
         """Admit, make room and store into one tier. False when refused."""
         n = memoryview(data).nbytes
-        if not force and not self._is_pinned(slot.name, key) and not slot.admission.admit(key, n):
-            self.metrics.admission_rejects.labels(slot.name).inc()
+        name = slot.name
+        if not force and key not in self._pinned[name] and not slot.admission.admit(key, n):
+            self.metrics.admission_rejects.labels(name).inc()
             return False
         if not slot.tier.fits(n):
-            self.metrics.write_errors.labels(slot.name, "too_large").inc()
+            self.metrics.write_errors.labels(name, "too_large").inc()
             return False
         t0 = time.perf_counter()
-        async with self._locks[slot.name]:
+        async with self._locks[name]:
             try:
                 await self._make_room(slot, n)
                 await slot.tier.put(key, data)
@@ -201,9 +206,10 @@ class TieredStore:
                 return False
             slot.eviction.on_remove(key)  # a replaced key is re-tracked once
             self._track(slot, key, n)
-        self.metrics.store_seconds.labels(slot.name).observe(time.perf_counter() - t0)
-        self.metrics.bytes_written.labels(slot.name).inc(n)
-        await self._publish(slot.name, [key])
+        self.metrics.store_seconds.labels(name).observe(time.perf_counter() - t0)
+        self.metrics.bytes_written.labels(name).inc(n)
+        if self.directory is not None:
+            await self._publish(name, [key])
         return True
 
     # ---------------------------------------------------------------- write path
@@ -265,11 +271,13 @@ class TieredStore:
         if not keys:
             return []
         local_slots = [s for s in self.slots if s.name != "s3"]
+        labels: list[str | None] = [None] * len(keys)
         local = [await s.tier.contains_many(keys) for s in local_slots]
-        labels: list[str | None] = [
-            next((local_slots[t].name for t in range(len(local)) if local[t][i]), None)
-            for i in range(len(keys))
-        ]
+        for s, present in zip(reversed(local_slots), reversed(local), strict=True):
+            name = s.name  # nearer tiers come later and overwrite: nearest wins
+            for i, p in enumerate(present):
+                if p:
+                    labels[i] = name
         missing = [i for i, lab in enumerate(labels) if lab is None]
         if missing:
             # Only the chunks before the first one found nowhere matter; ask about every
