@@ -36,8 +36,16 @@ Sink = Callable[[int, ChunkMeta, memoryview], None]
 class AgentClient:
     """ChunkStore backed by a node agent. Thread-safe (one request at a time)."""
 
-    def __init__(self, socket_path: str, *, verify_payload: bool = True, timeout: float = 60.0):
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        verify_payload: bool = True,
+        timeout: float = 60.0,
+        attach_pool: bool = True,
+    ):
         self.socket_path = socket_path
+        self.attach_pool = attach_pool  # False for control-only clients (CLI, router)
         self.verify_payload = verify_payload
         self.timeout = timeout
         self._lock = threading.Lock()
@@ -65,7 +73,9 @@ class AgentClient:
             # Views handed out earlier may still point into the old mapping: keep it
             # referenced (closing it would fail while views exist) and never reuse it.
             self._stale.append(self._shm)
-        self._shm = attach_shm(hello["shm_name"]) if hello.get("shm_name") else None
+        self._shm = (
+            attach_shm(hello["shm_name"]) if hello.get("shm_name") and self.attach_pool else None
+        )
         self._buf = (
             memoryview(self._shm.buf)
             if self._shm is not None and self._shm.buf is not None
@@ -120,9 +130,7 @@ class AgentClient:
             return []
         return self._retry(lambda: self._load_many(keys, fingerprint, sink))
 
-    def _load_many(
-        self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink
-    ) -> list[bool]:
+    def _load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> list[bool]:
         items = self._call({"op": "get", "keys": list(keys), "fp": fingerprint})["items"]
         ok = [False] * len(keys)
         leased: list[int] = []
@@ -273,12 +281,16 @@ def config_from_extra(extra_config: Mapping[str, Any]) -> CacheConfig:
 
 
 def connect(
-    cfg: CacheConfig, *, embedded: str = "auto", verify_payload: bool = True
+    cfg: CacheConfig,
+    *,
+    embedded: str = "auto",
+    verify_payload: bool = True,
+    attach_pool: bool = True,
 ) -> AgentClient:
     """Client for ``cfg``'s node agent; start one in-process if allowed and none runs."""
     path = cfg.socket_path
     try:
-        return AgentClient(path, verify_payload=verify_payload)
+        return AgentClient(path, verify_payload=verify_payload, attach_pool=attach_pool)
     except (FileNotFoundError, ConnectionRefusedError, IPCError, OSError):
         if embedded == "never":
             raise

@@ -1,0 +1,437 @@
+"""The main job: a cache-mediated prefill -> decode demo on embedded defaults.
+
+Starts Redis (the local one, or a spawned ``redis-server``), an S3-compatible endpoint
+(moto), a node agent, one prefill and one decode ``vllm serve`` (CPU) and the router;
+replays a small multi-turn workload with shared system prompts; prints per request the
+TTFT, where each chunk came from and the cached tokens, then hit rates per tier. Every
+process it started is stopped on the way out (also on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tiered_cache.vllm_launch import REPO, VllmServer, free_port, kv_transfer_config, server_env
+
+TIERS = ("dram", "nvme", "peer", "s3")
+
+
+def say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+class Procs:
+    """Every process the demo starts, stopped in reverse order."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, Any]] = []
+
+    def add(self, name: str, obj: Any) -> Any:
+        self.items.append((name, obj))
+        return obj
+
+    def stop_all(self) -> None:
+        for _name, obj in reversed(self.items):
+            with contextlib.suppress(Exception):
+                if isinstance(obj, VllmServer):
+                    obj.stop()
+                else:
+                    _stop_group(obj)
+        self.items.clear()
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    fh = open(log, "wb")  # noqa: SIM115 - owned by the child
+    p = subprocess.Popen(
+        cmd,
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        env=env or server_env(),
+        cwd=str(REPO),
+        start_new_session=True,
+    )
+    fh.close()
+    return p
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, t: float) -> None:
+    deadline = time.monotonic() + t
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited during startup:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} did not come up at {url}")
+
+
+def _redis(procs: Procs, work: Path) -> str:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 6379), 0.5) as s:
+        s.sendall(b"PING\r\n")
+        if s.recv(16).startswith(b"+PONG"):
+            return "redis://127.0.0.1:6379/0"
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("no Redis on 127.0.0.1:6379 and no redis-server to start")
+    port = free_port()
+    procs.add(
+        "redis",
+        _spawn(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            work / "redis.log",
+        ),
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.1)
+    raise TimeoutError("redis-server did not start")
+
+
+def _workload(n_requests: int, seed: int = 0) -> Iterator[tuple[str, str]]:
+    """(conversation id, prompt): two shared system prompts, users with growing turns."""
+    rng = random.Random(seed)
+    words = [
+        "cache",
+        "tier",
+        "chunk",
+        "prefix",
+        "decode",
+        "prefill",
+        "token",
+        "block",
+        "shard",
+        "node",
+        "page",
+        "hit",
+        "miss",
+        "policy",
+        "evict",
+        "admit",
+        "pin",
+        "warm",
+        "cold",
+        "hot",
+        "latency",
+        "throughput",
+        "bandwidth",
+    ]
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    systems = [f"System prompt {i}: you are a careful assistant. " + text(260) for i in range(2)]
+    convs: dict[str, str] = {}
+    users = [(f"s{i % 2}-u{i}", systems[i % 2]) for i in range(4)]
+    k = 0
+    while k < n_requests:
+        for cid, sysp in users:
+            if k >= n_requests:
+                return
+            hist = convs.get(cid, sysp)
+            hist += f"\nUser: {text(40)}\nAssistant:"
+            convs[cid] = hist + f" {text(20)}"
+            yield cid, hist
+            k += 1
+
+
+def _stats(sock: str) -> dict[str, float]:
+    from tiered_cache.client import AgentClient
+
+    c = AgentClient(sock, attach_pool=False)
+    try:
+        return dict(c.admin("stats")["metrics"])
+    finally:
+        c.close()
+
+
+def _hits(m: dict[str, float]) -> dict[str, float]:
+    return {t: m.get(f"tiered_cache_hits_total{{tier={t}}}", 0.0) for t in TIERS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=12, help="requests to replay")
+    ap.add_argument("--workdir", default=str(REPO / ".demo"), help="logs, model, NVMe dir")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    a = ap.parse_args(argv)
+    work = Path(a.workdir)
+    if work.exists():
+        shutil.rmtree(work / "nvme", ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    procs = Procs()
+
+    def on_signal(signum: int, _: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return _run(a, work, procs)
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    finally:
+        say("stopping every process the demo started")
+        procs.stop_all()
+
+
+def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
+    t0 = time.monotonic()
+    model = REPO / ".models" / "tiny-float32"
+    say(f"[1/6] tiny random-weight Llama + tokenizer (offline) -> {model}")
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "make_tiny_model.py"),
+            "--out",
+            str(model),
+            "--preset",
+            "tiny",
+            "--dtype",
+            "float32",
+        ],
+        check=True,
+        env=server_env(),
+        stdout=subprocess.DEVNULL,
+    )
+
+    say("[2/6] Redis and an S3-compatible endpoint (moto)")
+    redis_url = _redis(procs, work)
+    s3_port = free_port()
+    moto = procs.add(
+        "moto",
+        _spawn(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
+            work / "moto.log",
+        ),
+    )
+    s3_url = f"http://127.0.0.1:{s3_port}"
+    _wait_http(s3_url, moto, "moto", work / "moto.log", 30)
+    env_s3 = {
+        "AWS_ACCESS_KEY_ID": "demo",
+        "AWS_SECRET_ACCESS_KEY": "demo",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    os.environ.update(env_s3)
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_url).create_bucket(Bucket="tiered-cache-demo")
+
+    node = f"demo-{uuid.uuid4().hex[:6]}"
+    sock = str(work / "agent.sock")
+    cfg = {
+        "node_id": node,
+        "chunk_size": 256,
+        "redis_url": redis_url,
+        # Small DRAM on purpose: older prefixes get written back to NVMe, so the
+        # table shows hits from more than one tier.
+        "dram": {"capacity": "4MiB", "slot_bytes": "512KiB"},
+        "nvme": {
+            "enabled": True,
+            "path": str(work / "nvme"),
+            "capacity": "256MiB",
+            "write_mode": "write_back",
+        },
+        "s3": {
+            "enabled": True,
+            "url": "s3://tiered-cache-demo/kv",
+            "endpoint_url": s3_url,
+            "region": "us-east-1",
+            "write_mode": "write_through",
+        },
+        "agent": {"socket": sock, "metrics_port": free_port()},
+    }
+    cfg_path = work / "tiered-cache.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    say(
+        f"[3/6] node agent {node}: DRAM 4MiB -> NVMe {work / 'nvme'} -> S3 (moto); "
+        f"metrics on :{cfg['agent']['metrics_port']}"
+    )
+    agent = procs.add(
+        "agent",
+        _spawn(
+            [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg_path)],
+            work / "agent.log",
+            env=server_env(env_s3),
+        ),
+    )
+    from tiered_cache.agent import wait_for_socket
+
+    try:
+        wait_for_socket(sock, 60)
+    except TimeoutError:
+        raise RuntimeError((work / "agent.log").read_text()[-3000:]) from None
+    if agent.poll() is not None:
+        raise RuntimeError((work / "agent.log").read_text()[-3000:])
+
+    say("[4/6] prefill + decode vLLM servers (CPU); first start takes ~30-60 s")
+    store = {"config_file": str(cfg_path), "embedded": "never"}
+    pre = procs.add(
+        "prefill",
+        VllmServer(
+            "prefill",
+            str(model),
+            free_port(),
+            work / "prefill.log",
+            kv_config=kv_transfer_config("kv_producer", store),
+            env={**env_s3, "VLLM_CPU_OMP_THREADS_BIND": "0"},  # one core each
+        ),
+    )
+    dec = procs.add(
+        "decode",
+        VllmServer(
+            "decode",
+            str(model),
+            free_port(),
+            work / "decode.log",
+            kv_config=kv_transfer_config("kv_consumer", store, policy="recompute"),
+            env={**env_s3, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+        ),
+    )
+    pre.start()
+    dec.start()
+    t_start = time.monotonic()
+    pending = [pre, dec]
+    last = 0.0
+    while pending:
+        for s in list(pending):
+            assert s.proc is not None
+            if s.proc.poll() is not None:
+                raise RuntimeError(f"{s.name} server exited:\n{s.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(s.url + "/health", timeout=1).status_code == 200:
+                    pending.remove(s)
+        waited = time.monotonic() - t_start
+        if waited > 600:
+            raise TimeoutError("vLLM servers did not start in 600 s")
+        if pending and waited - last >= 10:
+            last = waited
+            say(f"      ... waiting for {', '.join(s.name for s in pending)} ({waited:.0f}s)")
+        time.sleep(0.5)
+    say(f"      servers up in {time.monotonic() - t_start:.0f}s")
+
+    rport = free_port()
+    say(f"[5/6] router on :{rport} (cache-aware: tokenizes, looks the prompt up in the cache)")
+    router = procs.add(
+        "router",
+        _spawn(
+            [
+                sys.executable,
+                "-m",
+                "tiered_cache.cli",
+                "router",
+                "--prefill",
+                pre.url,
+                "--decode",
+                dec.url,
+                "--port",
+                str(rport),
+                "-c",
+                str(cfg_path),
+            ],
+            work / "router.log",
+            env=server_env(env_s3),
+        ),
+    )
+    rurl = f"http://127.0.0.1:{rport}"
+    _wait_http(rurl + "/health", router, "router", work / "router.log", 60)
+
+    say(f"[6/6] replaying {a.requests} requests (4 conversations, 2 shared system prompts)")
+    rows = []
+    before = _hits(_stats(sock))
+    for i, (cid, prompt) in enumerate(_workload(a.requests)):
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": a.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        t = time.perf_counter()
+        ttft = None
+        usage: dict[str, Any] = {}
+        with httpx.stream("POST", rurl + "/v1/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"request {i} failed: {r.status_code} {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ttft is None and ev.get("choices") and ev["choices"][0].get("text"):
+                    ttft = time.perf_counter() - t
+                if ev.get("usage"):
+                    usage = ev["usage"]
+        after = _hits(_stats(sock))
+        delta = {k: int(after[k] - before[k]) for k in TIERS}
+        before = after
+        details = usage.get("prompt_tokens_details") or {}
+        rows.append(
+            (
+                i,
+                cid,
+                usage.get("prompt_tokens", 0),
+                details.get("cached_tokens", 0),
+                ttft or float("nan"),
+                delta,
+            )
+        )
+    _report(rows, _stats(sock))
+    say(f"done in {time.monotonic() - t0:.0f}s; logs in {work}")
+    return 0
+
+
+def _report(rows: list[tuple[Any, ...]], m: dict[str, float]) -> None:
+    print()
+    print(
+        f"{'#':>2} {'conversation':12} {'prompt':>6} {'cached':>6} {'TTFT ms':>8}  chunks by tier"
+    )
+    for i, cid, ptok, cached, ttft, delta in rows:
+        tiers = " ".join(f"{t}={n}" for t, n in delta.items() if n) or "-"
+        print(f"{i:>2} {cid:12} {ptok:>6} {cached:>6} {ttft * 1e3:>8.1f}  {tiers}")
+    hits = _hits(m)
+    misses = m.get("tiered_cache_misses_total{tier=all}", 0.0)
+    total = sum(hits.values()) + misses
+    print()
+    print("hit rate by tier (chunks served / chunk loads requested):")
+    for t in TIERS:
+        share = hits[t] / total if total else 0.0
+        print(f"  {t:5} {int(hits[t]):5d}  {share:6.1%}")
+    print(f"  miss  {int(misses):5d}  {misses / total if total else 0.0:6.1%}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
