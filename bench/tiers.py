@@ -93,7 +93,6 @@ def bench_dram(size: int, iters: int, tmp: Path) -> dict[str, Any]:
     bufs = [np.ones_like(payload) for _ in range(iters + 2)]
     ref_put = _stats(_time(lambda i: np.copyto(bufs[i], payload), iters), size)
     ref_get = _stats(_time(lambda i: np.copyto(dst, bufs[i]), iters), size)
-    del bufs
 
     slot = size + codec.HEADER_SIZE
     cfg = load_config(

@@ -251,7 +251,8 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
 
     node = f"demo-{uuid.uuid4().hex[:6]}"
     sock = str(work / "agent.sock")
-    cfg = {
+    metrics_port = free_port()
+    cfg: dict[str, Any] = {
         "node_id": node,
         "chunk_size": 256,
         "redis_url": redis_url,
@@ -271,13 +272,13 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
             "region": "us-east-1",
             "write_mode": "write_through",
         },
-        "agent": {"socket": sock, "metrics_port": free_port()},
+        "agent": {"socket": sock, "metrics_port": metrics_port},
     }
     cfg_path = work / "tiered-cache.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     say(
         f"[3/6] node agent {node}: DRAM 4MiB -> NVMe {work / 'nvme'} -> S3 (moto); "
-        f"metrics on :{cfg['agent']['metrics_port']}"
+        f"metrics on :{metrics_port}"
     )
     agent = procs.add(
         "agent",

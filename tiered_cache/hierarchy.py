@@ -194,6 +194,10 @@ class TieredStore:
         t0 = time.perf_counter()
         async with self._locks[name]:
             try:
+                if not demotion and slot.tier.size_of(key) is not None:
+                    # Replacing: the old copy frees its own room and must not be demoted.
+                    slot.eviction.on_remove(key)
+                    await slot.tier.delete(key)
                 await self._make_room(slot, n)
                 await slot.tier.put(key, data)
             except TierFull as e:
@@ -226,6 +230,27 @@ class TieredStore:
         with ``wait`` also after write-through copies land (durability)."""
         if info is not None:
             self._info[key] = info
+        top = self.slots[0]
+        if top.tier.size_of(key) is not None:
+            # Chunks are content-addressed (the key hashes the tokens and the model), so
+            # a second put of a resident key is a touch, not a rewrite. Write-through
+            # tiers that still lack it get another admission chance (frequency admission).
+            top.eviction.on_access(key)
+            lacking = [
+                s
+                for s in self.slots[1:]
+                if (s.write_mode == "write_through" or self._is_pinned(s.name, key))
+                and s.tier.size_of(key) is None
+            ]
+            resident = await top.tier.get(key) if lacking else None
+            if resident is not None:
+                pending = [self._write_tier_bg(s, key, bytes(resident)) for s in lacking]
+                if wait:
+                    await asyncio.gather(*pending)
+                else:
+                    for job in pending:
+                        self._spawn(job)
+            return True
         raw = bytes(data) if not isinstance(data, bytes) else data
         stored = False
         through: list[Awaitable[None]] = []
@@ -335,24 +360,34 @@ class TieredStore:
         promote: bool = True,
         num_tokens_hint: int = 0,
     ) -> Hit | None:
-        """Nearest verified copy of ``key``, or None (miss, or every copy failed)."""
-        for slot in self.slots:
-            name = slot.name
-            if name != "s3" and not (await slot.tier.contains_many([key]))[0]:
+        """Nearest verified copy of ``key``, or None (miss, or every copy failed).
+
+        Order: this node's DRAM and NVMe, then a peer node's DRAM/NVMe, then S3."""
+        local = [s for s in self.slots if s.name != "s3"]
+        shared = [s for s in self.slots if s.name == "s3"]
+        for slot in local:
+            if not (await slot.tier.contains_many([key]))[0]:
                 continue
             hit = await self._read_verified(slot.tier, key, expect_fingerprint)
-            if hit is None:
-                continue
-            slot.eviction.on_access(key)
-            slot.admission.on_access(key)
-            if promote and slot is not self.slots[0]:
+            if hit is not None:
+                return self._on_hit(slot, key, hit, promote)
+        hit = await self._get_from_peer(key, expect_fingerprint)
+        if hit is not None:
+            if promote:
                 self._spawn(self._promote(key, hit))
             return hit
-        hit = await self._get_from_peer(key, expect_fingerprint)
-        if hit is not None and promote:
+        for slot in shared:
+            hit = await self._read_verified(slot.tier, key, expect_fingerprint)
+            if hit is not None:
+                return self._on_hit(slot, key, hit, promote)
+        self.metrics.misses.labels("all").inc()
+        return None
+
+    def _on_hit(self, slot: TierSlot, key: str, hit: Hit, promote: bool) -> Hit:
+        slot.eviction.on_access(key)
+        slot.admission.on_access(key)
+        if promote and slot is not self.slots[0]:
             self._spawn(self._promote(key, hit))
-        if hit is None:
-            self.metrics.misses.labels("all").inc()
         return hit
 
     async def _read_verified(
@@ -470,6 +505,10 @@ class TieredStore:
         assert isinstance(tier, DRAMTier)
         if info is not None:
             self._info[key] = info
+        if tier.size_of(key) is not None:  # content-addressed: already here, keep it
+            tier.abort(slot)
+            top.eviction.on_access(key)
+            return
         async with self._locks[top.name]:
             tier.commit(key, slot, length)
             top.eviction.on_remove(key)

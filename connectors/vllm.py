@@ -1,0 +1,946 @@
+"""vLLM V1 KV connector: prompt KV in chunks through the tiered cache.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "TieredCacheConnector",
+                           "kv_connector_module_path": "connectors.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+                           "kv_connector_extra_config": {"store_dir": "/path"}}'
+
+Roles: a producer (prefill) saves every prompt's full chunks and its partial tail chunk;
+a consumer (decode) loads the longest cached prefix, at most all of the prompt but its
+last token; ``kv_both`` does both (offload and reuse its own prefixes).
+
+``kv_connector_extra_config`` keys (all optional):
+
+``chunk_size`` (256)
+    tokens per chunk; a multiple of vLLM's KV block size.
+``load_wait_timeout_s`` (5.0)
+    how long a consumer waits for a prefill's chunks to land before it recomputes.
+``wait_for_prefill`` ("auto")
+    ``auto``: wait when the role is ``kv_consumer`` or the request's ``kv_transfer_params``
+    say a remote prefill ran; ``true``/``false``: always/never.
+``async_load`` (true)
+    load between scheduler steps (the request waits in ``WAITING_FOR_REMOTE_KVS``);
+    false loads synchronously before the forward pass.
+``model_id``
+    model identity in the chunk fingerprint (default: vLLM's model path/name); set it
+    when prefill and decode nodes name the same model differently.
+``load_batch_chunks`` (16), ``max_staging_mb`` (256)
+    bound host memory per store call.
+Anything else (``store_dir``, ``config_file``, ...) goes to ``tiered_cache.client.open_store``.
+
+Invariants: a chunk is loaded only after the store verified it (key, model fingerprint,
+checksum) and its header matches this node's KV layout, dtype, block size and shape;
+anything else is reported through ``get_block_ids_with_load_errors`` so vLLM recomputes
+(``kv_load_failure_policy="recompute"``, recommended) or fails the request cleanly
+(``"fail"``, vLLM 0.32's default: HTTP 500, no token sampled from bad KV).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from connectors.vllm_kvio import (
+    ChunkSpan,
+    HostStaging,
+    PagedKV,
+    dtype_name,
+    load_block_ranges,
+    loadable_spans,
+    payload_tensor,
+)
+from connectors.vllm_kvio import chunk_spans as _chunk_spans
+from tiered_cache import keys as tc_keys
+from tiered_cache.api import ChunkStore
+from tiered_cache.codec import ChunkMeta
+
+try:  # 0.32+: per-tier hit accounting
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under the "vllm" logger so vLLM's handler and level apply.
+logger = init_logger("vllm.connectors.tiered_cache")
+
+_SOURCE_TO_HIT = {"dram": "HOST", "nvme": "DISK", "peer": "P2P", "s3": "EXTERNAL_UNSPECIFIED"}
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class SaveChunk:
+    """Worker: copy blocks ``block_ids`` (the whole chunk) out and store under ``key``."""
+
+    req_id: str
+    index: int
+    key: str
+    num_tokens: int
+    block_ids: list[int]
+    parent: str | None = None  # previous chunk's key (prefix chain), for the store's policies
+
+
+@dataclass
+class LoadChunk:
+    """Worker: fetch ``key`` (a payload of ``n_blocks`` blocks) and write its blocks
+    [lo, lo + len(block_ids)) into ``block_ids``."""
+
+    index: int
+    key: str
+    num_tokens: int
+    n_blocks: int
+    lo: int
+    block_ids: list[int]
+    source: str = ""
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    chunks: list[LoadChunk]
+    is_async: bool
+    num_tokens: int
+    # Only with tensor parallelism > 1: ranks other than 0 derive their own keys.
+    token_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class TieredCacheConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveChunk] = field(default_factory=list)
+    # Tensor parallelism > 1: prompt tokens and salt of the requests in ``saves``.
+    save_tokens: dict[str, tuple[list[int], str | None]] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------- scheduler state
+
+
+@dataclass
+class _Match:
+    at: float
+    num_computed: int
+    sources: list[str]
+    hit_end: int
+
+
+@dataclass
+class _ReqState:
+    req_id: str
+    prompt: list[int]
+    salt: str | None
+    keys: list[str]
+    spans: list[ChunkSpan]
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0
+
+
+@dataclass
+class _Identity:
+    fingerprint: tc_keys.ModelFingerprint
+    kv_layout: str  # header field (<= 8 bytes)
+    block_size: int
+    dtype: str
+
+
+def _as_bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+def _single_group_spec(kv_cache_config: KVCacheConfig) -> Any:
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ValueError(
+            f"TieredCacheConnector supports models with exactly one KV cache group "
+            f"(got {len(groups)}); hybrid/sliding-window models are not supported"
+        )
+    return groups[0]
+
+
+def build_identity(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    extra: Mapping[str, Any],
+    tp_rank: int = 0,
+) -> _Identity:
+    """Everything that must match between writer and reader, from the vLLM config.
+
+    Both roles build it from the same inputs, so the scheduler's keys equal rank 0's.
+    """
+    group = _single_group_spec(kv_cache_config)
+    spec = group.kv_cache_spec
+    block_size = int(spec.block_size)
+    chunk_size = int(extra.get("chunk_size", tc_keys.DEFAULT_CHUNK_SIZE))
+    if chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(
+            f"TieredCacheConnector: chunk_size={chunk_size} must be a positive multiple of "
+            f"vLLM's KV block size ({block_size}); set kv_connector_extra_config.chunk_size "
+            f"to a multiple of {block_size}, or change --block-size"
+        )
+    spec_dtype = getattr(spec, "dtype", None)
+    if isinstance(spec_dtype, torch.dtype):
+        dtype = dtype_name(spec_dtype)
+    else:
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        dtype = (
+            cache_dtype
+            if cache_dtype != "auto"
+            else dtype_name(vllm_config.model_config.dtype)  # type: ignore[arg-type]
+        )
+    layout = (
+        getattr(kv_cache_config, "kv_cache_layout", None)
+        or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+        or os.environ.get("VLLM_KV_CACHE_LAYOUT")
+        or "unknown"
+    )
+    layout = str(layout)
+    try:
+        from vllm.platforms import current_platform
+
+        device_type = str(current_platform.device_type)
+    except Exception:  # pragma: no cover
+        device_type = "unknown"
+    pc = vllm_config.parallel_config
+    if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
+        raise ValueError("TieredCacheConnector does not support pipeline parallelism yet")
+    tp_size = int(getattr(pc, "tensor_parallel_size", 1))
+    model_id = str(extra.get("model_id") or vllm_config.model_config.model)
+    kind = type(spec).__name__
+    fp = tc_keys.ModelFingerprint(
+        model_id=model_id,
+        dtype=dtype,
+        # The byte meaning of a block depends on the backend (CPU: all K then all V per
+        # head; CUDA: K|V per token), so the device type is part of the identity.
+        kv_layout=f"{layout}@{device_type}/{kind}",
+        block_size=block_size,
+        tp_rank=tp_rank,
+        tp_world_size=tp_size,
+        chunk_size=chunk_size,
+    )
+    return _Identity(fp, layout[:8], block_size, dtype)
+
+
+class TieredCacheConnector(KVConnectorBase_V1):
+    """Cache-mediated KV handoff through ``tiered_cache`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        ktc = self._kv_transfer_config
+        self._extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})
+        self._save_enabled = bool(ktc.is_kv_producer)
+        self._load_enabled = bool(ktc.is_kv_consumer)
+        self._role_name = str(ktc.kv_role)
+        self._async_load = _as_bool(self._extra.get("async_load", True))
+        self._wait_timeout = float(self._extra.get("load_wait_timeout_s", 5.0))
+        self._poll_s = float(self._extra.get("lookup_poll_s", 0.02))
+        self._wait_mode = str(self._extra.get("wait_for_prefill", "auto")).lower()
+        self._load_batch = max(1, int(self._extra.get("load_batch_chunks", 16)))
+        self._max_staging = max(1, int(self._extra.get("max_staging_mb", 256))) << 20
+        if kv_cache_config is None:
+            raise ValueError("TieredCacheConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            tp_rank = _tp_rank()
+        self._id = build_identity(vllm_config, kv_cache_config, self._extra, tp_rank)
+        self._fp = self._id.fingerprint
+        self._chunk_size = self._fp.chunk_size
+        self._block_size = self._id.block_size
+        self._tp_world = self._fp.tp_world_size
+        self._tp_rank = tp_rank
+        self._logged: set[str] = set()
+        self._store: ChunkStore | None = None
+        self._store_lock = threading.Lock()
+
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        self._matches: dict[str, _Match] = {}
+        self._first_seen: dict[str, float] = {}
+        self._hit_sources: dict[str, dict[str, int]] = {}
+        self._pending_loads: list[LoadJob] = []
+        self._planned: dict[str, set[int]] = {}  # req -> blocks its load writes
+        self._no_reload: set[str] = set()  # reqs whose load failed
+
+        # worker side
+        self._kv: PagedKV | None = None
+        self._save_staging: HostStaging | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future[set[int]]] = {}
+        self._load_errors: set[int] = set()
+
+        logger.info(
+            "TieredCacheConnector %s role=%s chunk_size=%d block_size=%d layout=%s dtype=%s "
+            "async_load=%s wait=%s/%.1fs fingerprint=%s",
+            role.name,
+            self._role_name,
+            self._chunk_size,
+            self._block_size,
+            self._fp.kv_layout,
+            self._id.dtype,
+            self._async_load,
+            self._wait_mode,
+            self._wait_timeout,
+            self._fp.hex,
+        )
+        if role == KVConnectorRole.SCHEDULER:
+            policy = getattr(ktc, "kv_load_failure_policy", "recompute")
+            if self._load_enabled and policy != "recompute":
+                logger.warning(
+                    "TieredCacheConnector: kv_load_failure_policy=%r, so a chunk that is "
+                    "evicted or fails verification between lookup and load fails its request "
+                    "(HTTP 500). Set \"kv_load_failure_policy\": \"recompute\" in "
+                    "--kv-transfer-config to have vLLM recompute it instead.",
+                    policy,
+                )
+            self._open_store()  # fail at startup, not on the first request
+
+    # ------------------------------------------------------------------ shared helpers
+
+    def _open_store(self) -> ChunkStore:
+        with self._store_lock:
+            if self._store is None:
+                from tiered_cache.client import open_store
+
+                self._store = open_store(self._extra)
+            return self._store
+
+    def _log_once(self, tag: str, msg: str, *args: Any) -> None:
+        if tag not in self._logged:
+            self._logged.add(tag)
+            logger.warning(msg, *args)
+
+    def _req_keys(
+        self, prompt: Sequence[int], salt: str | None, fp: tc_keys.ModelFingerprint | None = None
+    ) -> list[str]:
+        return tc_keys.chunk_keys(prompt, fp or self._fp, salt, include_partial=True)
+
+    @staticmethod
+    def _salt(request: Request) -> str | None:
+        salt = getattr(request, "cache_salt", None)
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            name = getattr(lora, "lora_name", None) or getattr(lora, "name", "")
+            salt = f"{salt or ''}|lora={name}"
+        return salt
+
+    @staticmethod
+    def _cacheable(request: Request) -> bool:
+        if request.prompt_token_ids is None:
+            return False  # prompt embeddings: tokens do not identify the KV
+        return not getattr(request, "mm_features", None)
+
+    # ================================================================ scheduler side
+
+    def on_new_request(self, request: Request) -> None:
+        if self._load_enabled:
+            self._first_seen.setdefault(request.request_id, time.monotonic())
+
+    def _wait_target(self, request: Request, n_need: int) -> int:
+        """How many chunks to wait for before recomputing (0: do not wait)."""
+        if self._wait_timeout <= 0 or self._wait_mode in ("false", "0", "no", "never"):
+            return 0
+        params = getattr(request, "kv_transfer_params", None) or {}
+        hint = params.get("tiered_cache") if isinstance(params, Mapping) else None
+        if isinstance(hint, Mapping) and "chunks" in hint:
+            return min(n_need, int(hint["chunks"]))
+        if self._wait_mode in ("true", "1", "yes", "always"):
+            return n_need
+        if isinstance(params, Mapping) and params.get("do_remote_prefill"):
+            return n_need
+        return n_need if self._role_name == "kv_consumer" else 0
+
+    def _lookup(self, keys: Sequence[str]) -> list[str]:
+        if not keys:
+            return []
+        try:
+            return list(self._open_store().lookup(keys))
+        except Exception as e:  # a broken store is a miss, never a crash
+            self._log_once(f"lookup:{type(e).__name__}", "tiered cache lookup failed: %r", e)
+            return []
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self._load_enabled or not self._cacheable(request):
+            return 0, False
+        rid = request.request_id
+        prompt = request.prompt_token_ids or []
+        n = len(prompt)
+        spans = loadable_spans(n, self._chunk_size, self._block_size)
+        if not spans:
+            return 0, False
+        if rid in self._no_reload:
+            return 0, False  # its load failed once: recompute, do not loop on bad chunks
+        now = time.monotonic()
+        prev = self._matches.get(rid)
+        if prev is not None and prev.num_computed == num_computed_tokens and (
+            now - prev.at < self._poll_s
+        ):
+            at, sources = prev.at, prev.sources  # re-asked within the poll interval
+        else:
+            keys = self._req_keys(prompt, self._salt(request))[: len(spans)]
+            at, sources = now, self._lookup(keys)[: len(spans)]
+        hit = len(sources)
+        # Wait for a prefill only on the first attempt (not after a failed or preempted load).
+        target = 0 if rid in self._planned else self._wait_target(request, len(spans))
+        if hit < target:
+            t0 = self._first_seen.setdefault(rid, now)
+            if now - t0 < self._wait_timeout:
+                self._matches[rid] = _Match(at, num_computed_tokens, sources, 0)
+                return None, False
+            self._log_once(
+                f"waited:{rid}",
+                "req %s: waited %.1fs for its prefill; %d/%d chunks present, recomputing the rest",
+                rid,
+                now - t0,
+                hit,
+                target,
+            )
+        hit_end = min(spans[hit - 1].end, n - 1) if hit else 0
+        self._matches[rid] = _Match(at, num_computed_tokens, sources, hit_end)
+        ext = hit_end - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, self._async_load
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        if not self._cacheable(request):
+            return
+        st = self._reqs.get(rid)
+        if st is None and (num_external_tokens > 0 or self._save_enabled):
+            prompt = list(request.prompt_token_ids or [])
+            salt = self._salt(request)
+            st = _ReqState(
+                rid,
+                prompt,
+                salt,
+                self._req_keys(prompt, salt),
+                _chunk_spans(len(prompt), self._chunk_size, self._block_size),
+            )
+            self._reqs[rid] = st
+            if self._save_enabled:
+                # Chunks already in the cache need no second copy.
+                present = len(self._lookup(st.keys))
+                st.next_save = present
+        if st is None:
+            return
+        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if block_ids:
+            st.block_ids = block_ids
+        if num_external_tokens <= 0:
+            return
+        m = self._matches.get(rid)
+        if m is None:
+            raise RuntimeError(f"req {rid}: external tokens allocated without a match")
+        start = m.num_computed
+        end = start + num_external_tokens
+        n_hit = len(m.sources)
+        ranges = load_block_ranges(st.spans[:n_hit], start, end)
+        chunks: list[LoadChunk] = []
+        by_source: dict[str, int] = {}
+        for r in ranges:
+            s = r.span
+            src = m.sources[s.index]
+            chunks.append(
+                LoadChunk(
+                    index=s.index,
+                    key=st.keys[s.index],
+                    num_tokens=s.num_tokens,
+                    n_blocks=s.num_blocks,
+                    lo=r.lo - s.first_block,
+                    block_ids=st.block_ids[r.lo : r.hi],
+                    source=src,
+                )
+            )
+            ntok = min(s.end, end) - max(s.start, start)
+            by_source[src] = by_source.get(src, 0) + max(0, ntok)
+        if ranges and len(st.block_ids) < ranges[-1].hi:
+            # Cannot happen (vLLM allocates blocks for every token it schedules); a load
+            # into missing blocks could not report its failure, so refuse loudly.
+            raise RuntimeError(
+                f"req {rid}: block table has {len(st.block_ids)} blocks, load needs "
+                f"{ranges[-1].hi}"
+            )
+        self._hit_sources[rid] = by_source
+        self._planned[rid] = {b for c in chunks for b in c.block_ids}
+        st.next_save = max(st.next_save, max((c.index + 1 for c in chunks), default=0))
+        job = LoadJob(
+            rid,
+            chunks,
+            self._async_load,
+            num_external_tokens,
+            token_ids=st.prompt if self._tp_world > 1 else None,
+            cache_salt=st.salt if self._tp_world > 1 else None,
+        )
+        self._pending_loads.append(job)
+        logger.info(
+            "req %s: loading %d of %d prompt tokens from the tiered cache (%s) in %d chunks: %s",
+            rid,
+            num_external_tokens,
+            len(st.prompt),
+            "async" if self._async_load else "sync",
+            len(chunks),
+            ",".join(c.source for c in chunks),
+        )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[Any, int]:
+        if num_external_tokens == 0 or CacheHitSource is None:
+            return {}
+        by_source = self._hit_sources.get(request.request_id) or {}
+        out: dict[Any, int] = {}
+        for src, n in by_source.items():
+            hs = getattr(CacheHitSource, _SOURCE_TO_HIT.get(src, "EXTERNAL_UNSPECIFIED"))
+            out[hs] = out.get(hs, 0) + n
+        if sum(out.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {k: v for k, v in out.items() if v}
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad or not self._planned:
+            return
+        for rid, blocks in self._planned.items():
+            if blocks & bad:
+                self._no_reload.add(rid)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TieredCacheConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self._save_enabled or not self._reqs:
+            return meta
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            if new.block_ids:
+                st.block_ids = list(new.block_ids[0])
+            done = new.num_computed_tokens + sched.get(new.req_id, 0)
+            self._plan_saves(st, done, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if nb:
+                if rid in resumed:
+                    st.block_ids = list(nb[0])
+                else:
+                    st.block_ids.extend(nb[0])
+            done = cached.num_computed_tokens[i] + sched.get(rid, 0)
+            self._plan_saves(st, done, meta)
+        return meta
+
+    def _plan_saves(self, st: _ReqState, computed: int, meta: TieredCacheConnectorMetadata) -> None:
+        n = len(st.prompt)
+        added = False
+        while st.next_save < len(st.spans):
+            s = st.spans[st.next_save]
+            if s.end > min(computed, n) or s.end_block > len(st.block_ids):
+                break
+            meta.saves.append(
+                SaveChunk(
+                    st.req_id,
+                    s.index,
+                    st.keys[s.index],
+                    s.num_tokens,
+                    st.block_ids[s.first_block : s.end_block],
+                    st.keys[s.index - 1] if s.index else None,
+                )
+            )
+            st.next_save += 1
+            added = True
+        if added and self._tp_world > 1:
+            meta.save_tokens[st.req_id] = (st.prompt, st.salt)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        self._matches.pop(rid, None)
+        self._first_seen.pop(rid, None)
+        self._hit_sources.pop(rid, None)
+        self._planned.pop(rid, None)
+        self._no_reload.discard(rid)
+        self._logged.discard(f"waited:{rid}")
+        params: dict[str, Any] | None = None
+        if self._save_enabled and st is not None:
+            # Tells a proxy (and the decode node, if it forwards these) how many chunks
+            # this prefill put in the cache.
+            params = {
+                "tiered_cache": {
+                    "chunks": st.next_save,
+                    "prompt_tokens": len(st.prompt),
+                    "chunk_size": self._chunk_size,
+                    "keys": st.keys[: st.next_save],
+                }
+            }
+        return False, params
+
+    # =================================================================== worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        group = _single_group_spec(self._kv_cache_config)
+        names = [n for n in group.layer_names if n in kv_caches] or list(kv_caches)
+        missing = [n for n in kv_caches if n not in names]
+        if missing:
+            logger.warning("TieredCacheConnector: layers outside the KV group ignored: %s", missing)
+        layers = [kv_caches[n] for n in names]
+        kv = PagedKV(layers, names)
+        if dtype_name(kv.dtype) != self._id.dtype:
+            raise ValueError(
+                f"KV tensors are {dtype_name(kv.dtype)} but the fingerprint says {self._id.dtype}"
+            )
+        if len(kv.block_shape) >= 2 and kv.block_shape[-2] != self._block_size:
+            self._log_once(
+                "blockdim",
+                "KV block shape %s: token dim %d != block size %d; copying whole blocks anyway",
+                kv.block_shape,
+                kv.block_shape[-2],
+                self._block_size,
+            )
+        self._kv = kv
+        self._save_staging = HostStaging(pin=not kv.on_host)
+        self._open_store()
+        logger.info(
+            "TieredCacheConnector: %d layers, %d blocks of %s %s (%d B/block/layer) on %s",
+            kv.num_layers,
+            kv.num_blocks,
+            kv.block_shape,
+            dtype_name(kv.dtype),
+            kv.block_bytes,
+            kv.device,
+        )
+
+    def _worker_keys(self, indices: Sequence[int], tokens: Sequence[int] | None,
+                     salt: str | None, given: Sequence[str]) -> list[str]:
+        if self._tp_rank == 0 or tokens is None:
+            return list(given)
+        ks = self._req_keys(tokens, salt)
+        return [ks[i] for i in indices]
+
+    # -- loading
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.loads:
+            return
+        for job in meta.loads:
+            if job.is_async:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="tc-load")
+                self._inflight[job.req_id] = self._loader.submit(self._run_load, job)
+            else:
+                self._load_errors |= self._run_load(job)
+
+    def _run_load(self, job: LoadJob) -> set[int]:
+        """Load one request's chunks. Returns the block ids that were not loaded."""
+        try:
+            return self._load_job(job)
+        except Exception as e:
+            logger.exception("req %s: tiered cache load failed: %r", job.req_id, e)
+            return {b for c in job.chunks for b in c.block_ids}
+
+    def _check_meta(self, meta: ChunkMeta, c: LoadChunk, kv: PagedKV) -> str | None:
+        want_shape = kv.payload_shape(c.n_blocks)
+        if meta.kv_layout != self._id.kv_layout:
+            return f"KV layout {meta.kv_layout!r} != this node's {self._id.kv_layout!r}"
+        if meta.block_size != self._block_size:
+            return f"block size {meta.block_size} != this node's {self._block_size}"
+        if meta.dtype != dtype_name(kv.dtype):
+            return f"dtype {meta.dtype} != this node's {dtype_name(kv.dtype)}"
+        if tuple(meta.shape) != want_shape:
+            return f"payload shape {tuple(meta.shape)} != expected {want_shape}"
+        if meta.num_tokens != c.num_tokens:
+            return f"chunk holds {meta.num_tokens} tokens, expected {c.num_tokens}"
+        return None
+
+    def _load_job(self, job: LoadJob) -> set[int]:
+        kv = self._kv
+        store = self._open_store()
+        if kv is None:
+            raise RuntimeError("KV caches were not registered")
+        t0 = time.perf_counter()
+        keys = self._worker_keys(
+            [c.index for c in job.chunks], job.token_ids, job.cache_salt,
+            [c.key for c in job.chunks],
+        )
+        digest = self._fp.digest
+        stream = kv.side_stream()
+        pinned = HostStaging(pin=True) if not kv.on_host else None
+        reasons: dict[int, str] = {}
+        chunks: list[LoadChunk] = []  # the batch being fetched
+
+        def sink(i: int, meta: ChunkMeta, payload: memoryview) -> None:
+            c = chunks[i]
+            if reasons and min(reasons) < i:
+                reasons[i] = "an earlier chunk failed"
+                return
+            try:
+                bad = self._check_meta(meta, c, kv)
+                if bad is not None:
+                    reasons[i] = bad
+                    return
+                src = payload_tensor(payload, kv.dtype, kv.payload_shape(c.n_blocks))
+                src = src[:, c.lo : c.lo + len(c.block_ids)]
+                if pinned is not None:
+                    flat = pinned.reserve(src.numel() * src.element_size())
+                    host = flat[: src.numel() * src.element_size()].view(kv.dtype).view(src.shape)
+                    host.copy_(src)
+                    src = host
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        kv.scatter(c.block_ids, src)
+                    stream.synchronize()  # the source buffer is released after we return
+                else:
+                    kv.scatter(c.block_ids, src)
+            except Exception as e:  # never let a bad chunk take the engine down
+                reasons[i] = f"copy failed: {e!r}"
+
+        failed_at: int | None = None
+        for b0 in range(0, len(job.chunks), self._load_batch):
+            chunks[:] = job.chunks[b0 : b0 + self._load_batch]
+            ok = _fetch(store, keys[b0 : b0 + self._load_batch], digest, sink)
+            for i, c in enumerate(chunks):
+                if ok[i] and i not in reasons:
+                    continue
+                why = reasons.get(i, "missing, or failed verification in the store")
+                self._log_once(
+                    f"loadfail:{why[:40]}",
+                    "tiered cache: chunk %s (req %s, #%d) not loaded: %s; vLLM recomputes it",
+                    c.key, job.req_id, c.index, why,
+                )
+                failed_at = b0 + i
+                break
+            reasons.clear()
+            if failed_at is not None:
+                break
+        failed: set[int] = set()
+        if failed_at is not None:
+            for c in job.chunks[failed_at:]:
+                failed.update(c.block_ids)
+        n_ok = len(job.chunks) if failed_at is None else failed_at
+        dt = (time.perf_counter() - t0) * 1000
+        logger.info(
+            "req %s: loaded %d/%d chunks (%d tokens planned) from %s in %.1f ms%s",
+            job.req_id,
+            n_ok,
+            len(job.chunks),
+            job.num_tokens,
+            ",".join(c.source for c in job.chunks[:n_ok]) or "-",
+            dt,
+            f"; {len(failed)} blocks to recompute" if failed else "",
+        )
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        if not self._inflight:
+            return None, None
+        done: set[str] = set()
+        for rid, fut in list(self._inflight.items()):
+            if fut.done():
+                del self._inflight[rid]
+                self._load_errors |= fut.result()
+                done.add(rid)
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    # -- saving
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # whole chunks are copied once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
+            return
+        try:
+            self._save(meta)
+        except Exception as e:  # a failed save is a future miss, not an engine crash
+            logger.exception("tiered cache save failed: %r", e)
+
+    def _save(self, meta: TieredCacheConnectorMetadata) -> None:
+        kv, staging = self._kv, self._save_staging
+        if kv is None or staging is None:
+            raise RuntimeError("KV caches were not registered")
+        store = self._open_store()
+        t0 = time.perf_counter()
+        seen: set[str] = set()
+        todo: list[tuple[SaveChunk, str, str | None]] = []
+        for s in meta.saves:
+            key, parent = s.key, s.parent
+            if self._tp_rank != 0 and s.req_id in meta.save_tokens:
+                toks, salt = meta.save_tokens[s.req_id]
+                ks = self._req_keys(toks, salt)
+                key, parent = ks[s.index], (ks[s.index - 1] if s.index else None)
+            if key not in seen:
+                seen.add(key)
+                todo.append((s, key, parent))
+        nbytes_total = 0
+        for batch in _batches(todo, lambda t: kv.payload_nbytes(len(t[0].block_ids)),
+                              self._max_staging):
+            need = sum(kv.payload_nbytes(len(t[0].block_ids)) for t in batch)
+            buf = staging.reserve(need)
+            items: list[tuple[ChunkMeta, memoryview]] = []
+            off = 0
+            for s, key, _ in batch:
+                nb = len(s.block_ids)
+                n = kv.payload_nbytes(nb)
+                flat = buf[off : off + n]
+                kv.gather(s.block_ids, flat.view(kv.dtype).view(kv.payload_shape(nb)))
+                cm = ChunkMeta(
+                    key=key,
+                    fingerprint=self._fp.digest,
+                    num_tokens=s.num_tokens,
+                    dtype=dtype_name(kv.dtype),
+                    shape=kv.payload_shape(nb),
+                    kv_layout=self._id.kv_layout,
+                    block_size=self._block_size,
+                )
+                items.append((cm, flat.numpy().data))
+                off += n
+            kv.synchronize()
+            # put_many returns once the bytes are copied out of staging.
+            if self._put_takes_parents(store):
+                store.put_many(items, parents=[t[2] for t in batch])  # type: ignore[call-arg]
+            else:
+                store.put_many(items)
+            nbytes_total += off
+        logger.debug(
+            "saved %d chunks (%.1f MiB) in %.1f ms",
+            len(todo),
+            nbytes_total / 2**20,
+            (time.perf_counter() - t0) * 1000,
+        )
+
+    _parents_ok: bool | None = None
+
+    def _put_takes_parents(self, store: ChunkStore) -> bool:
+        """Whether the store's put_many accepts ``parents`` (an AgentClient extension)."""
+        if self._parents_ok is None:
+            try:
+                params = inspect.signature(store.put_many).parameters
+                self._parents_ok = "parents" in params
+            except (TypeError, ValueError):
+                self._parents_ok = False
+        return self._parents_ok
+
+    # -- lifecycle
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+        with self._store_lock:
+            if self._store is not None:
+                with contextlib.suppress(Exception):
+                    self._store.close()
+                self._store = None
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (unit tests)
+        return 0
+
+
+def _fetch(
+    store: ChunkStore,
+    keys: Sequence[str],
+    fingerprint: bytes,
+    sink: Callable[[int, ChunkMeta, memoryview], None],
+) -> list[bool]:
+    """Hand each verified chunk to ``sink``; returns which keys were delivered.
+
+    Uses the store's zero-copy ``load_many`` when it has one, else ``get_many``.
+    """
+    load_many = getattr(store, "load_many", None)
+    if callable(load_many):
+        return list(load_many(keys, fingerprint, sink))
+    got = store.get_many(keys, fingerprint)
+    ok = [False] * len(keys)
+    for i, item in enumerate(got):
+        if item is None:
+            break  # vLLM recomputes from the first failed block on: skip the rest
+        sink(i, item[0], item[1])
+        ok[i] = True
+    return ok
+
+
+def _batches(items: Iterable[Any], size: Callable[[Any], int], limit: int) -> Iterable[list[Any]]:
+    batch: list[Any] = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if batch and total + n > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(it)
+        total += n
+    if batch:
+        yield batch

@@ -1,0 +1,248 @@
+"""Chunk math and paged-KV block copies for the vLLM connector. No vLLM imports.
+
+vLLM hands a connector one tensor per attention layer whose first dimension is the block
+id (``[num_blocks, H, block_size, C]`` in 0.32/0.33; MLA uses ``H == 1``). A block is
+copied as an opaque unit: on the CPU backend each (block, head) holds all K then all V,
+on CUDA each token holds K|V, and neither matters here because K and V are never split.
+
+A chunk's payload is the chunk's blocks of every layer, as one buffer shaped
+``[num_layers, n_blocks, *block_shape]``: one ``index_select`` per layer writes it, one
+``index_copy_`` per layer reads it back. There is no per-token Python work.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _DTYPE_NAMES[getattr(torch, _name)] = _name
+_DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {name!r}") from None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- chunk math
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Chunk ``index`` covers tokens [start, end) and blocks [first_block, end_block)."""
+
+    index: int
+    start: int
+    end: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def first_block(self) -> int:
+        return self.start // self.block_size
+
+    @property
+    def end_block(self) -> int:
+        return cdiv(self.end, self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end_block - self.first_block
+
+
+def chunk_spans(
+    num_tokens: int, chunk_size: int, block_size: int, *, include_partial: bool = True
+) -> list[ChunkSpan]:
+    """Spans in ``keys.chunk_keys`` order (full chunks, then the partial tail if asked)."""
+    if chunk_size % block_size:
+        raise ValueError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
+    n_full = num_tokens // chunk_size
+    spans = [ChunkSpan(i, i * chunk_size, (i + 1) * chunk_size, block_size) for i in range(n_full)]
+    if include_partial and num_tokens % chunk_size:
+        spans.append(ChunkSpan(n_full, n_full * chunk_size, num_tokens, block_size))
+    return spans
+
+
+def loadable_spans(num_prompt_tokens: int, chunk_size: int, block_size: int) -> list[ChunkSpan]:
+    """Chunks worth loading for a prompt: those holding a token before the last one.
+
+    vLLM must compute the last prompt token itself (to sample from it), so a tail chunk
+    that holds only that token is useless.
+    """
+    limit = num_prompt_tokens - 1
+    return [
+        s
+        for s in chunk_spans(num_prompt_tokens, chunk_size, block_size, include_partial=True)
+        if s.start < limit
+    ]
+
+
+@dataclass(frozen=True)
+class BlockRange:
+    """Blocks [lo, hi) (indices into the request's block table) of chunk ``span``."""
+
+    span: ChunkSpan
+    lo: int
+    hi: int
+
+
+def load_block_ranges(
+    spans: Sequence[ChunkSpan], start_token: int, end_token: int
+) -> list[BlockRange]:
+    """Which blocks of which chunks to write for loading tokens [start_token, end_token).
+
+    Blocks are written whole: ``start_token`` is block aligned in vLLM (its local hit),
+    and an unaligned one rewrites its block's computed head with the same KV. The last
+    block may be partial: it holds the true KV of the same prompt, and vLLM recomputes
+    the tokens past ``end_token`` over it.
+    """
+    bs = spans[0].block_size if spans else 1
+    lo_b, hi_b = start_token // bs, cdiv(end_token, bs)
+    out: list[BlockRange] = []
+    for s in spans:
+        lo, hi = max(lo_b, s.first_block), min(hi_b, s.end_block)
+        if lo < hi:
+            out.append(BlockRange(s, lo, hi))
+    return out
+
+
+# ------------------------------------------------------------------------ paged KV access
+
+
+class HostStaging:
+    """A growable flat host byte buffer (pinned when the KV lives on an accelerator)."""
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            size = max(nbytes, int(self._buf.numel() * 1.5))
+            self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        return self._buf
+
+    @property
+    def capacity(self) -> int:
+        return int(self._buf.numel())
+
+
+def payload_tensor(
+    payload: memoryview | bytes | bytearray, dtype: torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
+    """Zero-copy tensor over a chunk payload (read only: never written)."""
+    mv = memoryview(payload).cast("B")
+    with warnings.catch_warnings():
+        # torch warns on read-only buffers; the tensor is only ever a copy source.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mv, dtype=torch.uint8)
+    return flat.view(dtype).view(*shape)
+
+
+class PagedKV:
+    """The layers' paged KV tensors, in a fixed layer order."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None):
+        if not layers:
+            raise ValueError("no KV cache layers")
+        first = layers[0]
+        for t in layers:
+            if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
+                raise ValueError(
+                    "all KV layers must share one block shape and dtype, got "
+                    f"{tuple(t.shape)}/{t.dtype} vs {tuple(first.shape)}/{first.dtype}"
+                )
+            if t.device != first.device:
+                raise ValueError("all KV layers must be on one device")
+        self.layers = list(layers)
+        self.names = list(names) if names is not None else [str(i) for i in range(len(layers))]
+        self.num_layers = len(layers)
+        self.num_blocks = int(first.shape[0])
+        self.block_shape = tuple(int(x) for x in first.shape[1:])
+        self.dtype = first.dtype
+        self.device = first.device
+        self.on_host = first.device.type == "cpu"
+        self.block_bytes = first[0].numel() * first.element_size()
+        self._stream: torch.cuda.Stream | None = None
+
+    def payload_shape(self, n_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, n_blocks, *self.block_shape)
+
+    def payload_nbytes(self, n_blocks: int) -> int:
+        return self.num_layers * n_blocks * self.block_bytes
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        if self.on_host:
+            return idx
+        return idx.pin_memory().to(self.device, non_blocking=True)
+
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            raise IndexError(f"block id out of range [0, {self.num_blocks}): {list(block_ids)}")
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy blocks ``block_ids`` of every layer into ``out`` ([L, n, *block_shape], host).
+
+        On an accelerator the copies are queued on the current stream; call
+        ``synchronize()`` before reading ``out``.
+        """
+        self._check_ids(block_ids)
+        idx = self._index(block_ids)
+        for li, layer in enumerate(self.layers):
+            if self.on_host:
+                torch.index_select(layer, 0, idx, out=out[li])
+            else:
+                out[li].copy_(layer.index_select(0, idx), non_blocking=True)
+
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
+        """Write ``src`` ([L, n, *block_shape], host) into blocks ``block_ids`` of every layer."""
+        self._check_ids(block_ids)
+        if tuple(src.shape) != self.payload_shape(len(block_ids)):
+            raise ValueError(
+                f"payload shape {tuple(src.shape)} != {self.payload_shape(len(block_ids))}"
+            )
+        idx = self._index(block_ids)
+        for li, layer in enumerate(self.layers):
+            s = src[li]
+            if not self.on_host:
+                s = s.to(self.device, non_blocking=True)
+            layer.index_copy_(0, idx, s)
+
+    def synchronize(self) -> None:
+        if not self.on_host and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def side_stream(self) -> torch.cuda.Stream | None:
+        """A dedicated copy stream for loads from a helper thread (CUDA only)."""
+        if self.on_host or self.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream

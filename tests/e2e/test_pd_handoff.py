@@ -1,0 +1,281 @@
+"""Prefill/decode handoff through the tiered cache with real ``vllm serve`` processes.
+
+One module-scoped set of CPU servers (started together, ~1 min) serves every test:
+
+* ``mono``: no connector, the reference;
+* ``prefill``: ``kv_producer``, run with ``max_tokens=1`` like a P/D proxy does;
+* ``decode``: ``kv_consumer`` with ``kv_load_failure_policy="recompute"``;
+* ``decode_fail``: ``kv_consumer`` with ``kv_load_failure_policy="fail"``.
+
+All connector servers share one store (``vllm_harness.SharedStore``).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from e2e.vllm_harness import (
+    SharedStore,
+    VllmServer,
+    free_port,
+    kv_transfer_config,
+    pinned_core,
+    start_servers,
+)
+
+CHUNK = 256
+PROMPT_LEN = 600
+GEN_TOKENS = 8
+WAIT_S = 4.0
+NEAR_TIE = 1e-4  # top-2 logprobs this close: either token is a correct greedy pick
+LOGPROB_TOL = 1e-4  # same token: loaded vs recomputed KV (measured: bit-identical on CPU)
+
+
+def make_prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, 512) for _ in range(n)]  # ids < 6 are special tokens
+
+
+@dataclass
+class Gen:
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[float]]  # top-k logprobs per position, best first
+    cached_tokens: int | None
+    body: dict[str, Any]
+
+
+def parse(resp: httpx.Response) -> Gen:
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    ch = body["choices"][0]
+    lp = ch["logprobs"]
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    return Gen(
+        token_ids=list(ch["token_ids"]),
+        logprobs=[float(x) for x in lp["token_logprobs"]],
+        top=[sorted((float(v) for v in d.values()), reverse=True) for d in lp["top_logprobs"]],
+        cached_tokens=details.get("cached_tokens"),
+        body=body,
+    )
+
+
+def assert_same_generation(ref: Gen, got: Gen) -> None:
+    """Token-for-token equality; at a near tie in the reference, the logprobs decide."""
+    assert len(got.token_ids) == len(ref.token_ids)
+    pairs = zip(ref.token_ids, got.token_ids, strict=True)
+    same = [i for i, (a, b) in enumerate(pairs) if a == b]
+    worst = max((abs(ref.logprobs[i] - got.logprobs[i]) for i in same), default=0.0)
+    print(f"[e2e] {len(same)}/{len(ref.token_ids)} tokens equal, max |dlogprob| {worst:.2e}")
+    for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=True)):
+        if a == b:
+            assert abs(ref.logprobs[i] - got.logprobs[i]) <= LOGPROB_TOL, (
+                f"token {i}: logprob {got.logprobs[i]} vs reference {ref.logprobs[i]}"
+            )
+            continue
+        top = ref.top[i]
+        assert len(top) >= 2 and top[0] - top[1] <= NEAR_TIE, (
+            f"token {i} differs ({b} vs reference {a}) and is no near tie: top-2 {top[:2]}"
+        )
+        assert abs(got.logprobs[i] - ref.logprobs[i]) <= NEAR_TIE + LOGPROB_TOL
+        return  # the sequences legitimately diverge after a tie
+
+
+@dataclass
+class Cluster:
+    mono: VllmServer
+    prefill: VllmServer
+    decode: VllmServer
+    decode_fail: VllmServer
+    store: SharedStore
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: str, shared_store: SharedStore, log_dir: Path) -> Iterator[Cluster]:
+    store_cfg = shared_store.config
+
+    def srv(name: str, kv: dict[str, Any] | None) -> VllmServer:
+        # Prefill and decode on different cores (see vllm_harness.pinned_core).
+        core = pinned_core(0 if name in ("mono", "prefill") else 1)
+        return VllmServer(
+            name, tiny_model, free_port(), log_dir / f"{name}.log", kv_config=kv,
+            env={"VLLM_CPU_OMP_THREADS_BIND": core},
+        )
+
+    servers = Cluster(
+        mono=srv("mono", None),
+        prefill=srv("prefill", kv_transfer_config("kv_producer", store_cfg, chunk_size=CHUNK)),
+        decode=srv(
+            "decode",
+            kv_transfer_config(
+                "kv_consumer", store_cfg, policy="recompute", chunk_size=CHUNK,
+                load_wait_timeout_s=WAIT_S,
+            ),
+        ),
+        decode_fail=srv(
+            "decode_fail",
+            kv_transfer_config(
+                "kv_consumer", store_cfg, policy="fail", chunk_size=CHUNK,
+                load_wait_timeout_s=WAIT_S,
+            ),
+        ),
+        store=shared_store,
+    )
+    all_servers = [servers.mono, servers.prefill, servers.decode, servers.decode_fail]
+    t0 = time.monotonic()
+    start_servers(all_servers)
+    print(
+        f"\n[e2e] 4 servers ready in {time.monotonic() - t0:.1f}s "
+        + " ".join(f"{s.name}={s.startup_s:.0f}s" for s in all_servers)
+    )
+    try:
+        yield servers
+    finally:
+        for s in all_servers:
+            s.stop()
+
+
+_refs: dict[int, Gen] = {}
+
+
+def reference(c: Cluster, seed: int) -> Gen:
+    if seed not in _refs:
+        _refs[seed] = parse(c.mono.completion(make_prompt(seed), max_tokens=GEN_TOKENS))
+    return _refs[seed]
+
+
+def prefill(c: Cluster, seed: int) -> dict[str, Any]:
+    """Run the prompt on the prefill server (max_tokens=1) like a P/D proxy; returns the
+    response's ``kv_transfer_params`` (our connector lists the chunks it stored)."""
+    g = parse(c.prefill.completion(make_prompt(seed), max_tokens=1))
+    # The prefill computed the same first token as the monolithic run.
+    assert g.token_ids[0] == reference(c, seed).token_ids[0]
+    params = dict(g.body.get("kv_transfer_params") or {})
+    tc = params.get("tiered_cache") or {}
+    n_chunks = -(-PROMPT_LEN // CHUNK)  # full chunks and the partial tail
+    assert tc.get("chunks") == n_chunks and len(tc.get("keys", [])) == n_chunks, params
+    assert c.store.present(tc["keys"]) == n_chunks
+    return params
+
+
+def external_hits(s: VllmServer) -> float:
+    return s.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+
+
+def test_monolithic_reference(cluster: Cluster) -> None:
+    ref = reference(cluster, 1)
+    assert len(ref.token_ids) == GEN_TOKENS
+    assert all(len(t) == 2 for t in ref.top)
+    assert ref.cached_tokens in (None, 0)
+    again = parse(cluster.mono.completion(make_prompt(1), max_tokens=GEN_TOKENS))
+    assert again.token_ids == ref.token_ids  # greedy on CPU is deterministic
+
+
+def test_prefill_then_decode_matches_monolithic(cluster: Cluster) -> None:
+    ref = reference(cluster, 1)
+    params = prefill(cluster, 1)
+    assert params.get("tiered_cache", {}).get("chunks") == 3, params
+    hits0 = external_hits(cluster.decode)
+    got = parse(
+        cluster.decode.completion(
+            make_prompt(1), max_tokens=GEN_TOKENS, extra={"kv_transfer_params": params}
+        )
+    )
+    assert_same_generation(ref, got)
+    # All of the prompt but the last token came from the cache (>= chunk-aligned length).
+    assert got.cached_tokens is not None and got.cached_tokens >= PROMPT_LEN // CHUNK * CHUNK
+    assert got.cached_tokens == PROMPT_LEN - 1
+    assert external_hits(cluster.decode) - hits0 == PROMPT_LEN - 1
+    # vLLM attributes the hit to the tier our lookup reported (DRAM -> "host").
+    by_source = {
+        k: v for k, v in cluster.decode.metrics().items()
+        if k.startswith("vllm:prompt_tokens_cached_by_source") and "{" in k
+    }
+    assert any('source="host"' in k and v >= PROMPT_LEN - 1 for k, v in by_source.items()), (
+        by_source
+    )
+    assert "loaded 3/3 chunks" in cluster.decode.log_text()
+
+
+def test_corrupted_chunks_are_recomputed(cluster: Cluster) -> None:
+    ref = reference(cluster, 2)
+    params = prefill(cluster, 2)
+    cluster.store.corrupt(params["tiered_cache"]["keys"])
+    t0 = time.monotonic()
+    got = parse(cluster.decode.completion(make_prompt(2), max_tokens=GEN_TOKENS))
+    assert_same_generation(ref, got)
+    # Recomputed at once: no second wait for chunks after the failed load.
+    assert time.monotonic() - t0 < WAIT_S
+    log = cluster.decode.log_text()
+    assert "not loaded" in log and "vLLM recomputes it" in log
+    assert "Recovered from KV load failure" in log
+
+
+def test_corrupted_chunks_fail_policy_errors_cleanly(cluster: Cluster) -> None:
+    params = prefill(cluster, 3)
+    cluster.store.corrupt(params["tiered_cache"]["keys"])
+    resp = cluster.decode_fail.completion(make_prompt(3), max_tokens=GEN_TOKENS)
+    # vLLM 0.32 finishes the request with FINISHED_ERROR (finish_reason "error"): no token
+    # is sampled from the bad KV, and the OpenAI server answers 500 (GenerationError).
+    assert resp.status_code == 500, resp.text
+    assert "choices" not in resp.json()
+    assert "Failing 1 request(s) due to KV load failure" in cluster.decode_fail.log_text()
+    # The server is still healthy and serves the next request.
+    ref = reference(cluster, 1)
+    got = parse(cluster.decode_fail.completion(make_prompt(1), max_tokens=GEN_TOKENS))
+    assert_same_generation(ref, got)
+
+
+def test_decode_arriving_before_prefill_waits_for_chunks(cluster: Cluster) -> None:
+    ref = reference(cluster, 4)
+    result: dict[str, httpx.Response] = {}
+
+    def run_decode() -> None:
+        result["r"] = cluster.decode.completion(make_prompt(4), max_tokens=GEN_TOKENS)
+
+    t = threading.Thread(target=run_decode)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(1.0)  # the decode request is now waiting for chunks
+    prefill(cluster, 4)
+    t.join(timeout=120)
+    elapsed = time.monotonic() - t0
+    got = parse(result["r"])
+    assert_same_generation(ref, got)
+    assert got.cached_tokens == PROMPT_LEN - 1
+    assert elapsed < WAIT_S + 10
+
+
+def test_decode_without_prefill_gives_up_and_recomputes(cluster: Cluster) -> None:
+    ref = reference(cluster, 5)
+    t0 = time.monotonic()
+    got = parse(cluster.decode.completion(make_prompt(5), max_tokens=GEN_TOKENS))
+    elapsed = time.monotonic() - t0
+    assert_same_generation(ref, got)
+    assert got.cached_tokens in (None, 0)
+    assert elapsed >= WAIT_S * 0.9
+    assert "for its prefill; 0/3 chunks present" in cluster.decode.log_text()
+
+
+def test_chat_completion_works(cluster: Cluster) -> None:
+    r = httpx.post(
+        cluster.mono.url + "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello cache"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] is not None
