@@ -384,8 +384,13 @@ class NodeAgent:
         if op == "get":
             fp = msg.get("fp")
             out: list[Any] = []
-            for key in msg["keys"]:
-                got = await store.lease(key, expect_fingerprint=fp)
+            sem = asyncio.Semaphore(8)  # chunks of one request load in parallel, bounded
+
+            async def one(key: str) -> tuple[int, int] | Hit | None:
+                async with sem:
+                    return await store.lease(key, expect_fingerprint=fp)
+
+            for got in await asyncio.gather(*(one(k) for k in msg["keys"])):
                 if got is None:
                     out.append(None)
                 elif isinstance(got, Hit):
@@ -456,7 +461,85 @@ class NodeAgent:
             self._check_admin(msg)
             await store.flush()
             return {"written_back": await self.write_back_dirty()}
+        # -- admin ops for the CLI and dashboard (ls, nodes, counters, warm, clear)
+        if op == "ls":  # chunk keys with a prefix, across this node's tiers
+            return self._ls(str(msg.get("prefix") or ""), int(msg.get("limit") or 1000))
+        if op == "nodes":
+            return {"nodes": await self.directory.nodes()}
+        if op == "counters":
+            return {"counters": await self.directory.counters()}
+        if op == "warm":
+            self._check_admin(msg)
+            wpin = await self.directory.get_pin(str(msg["id"]))
+            if wpin is None:
+                raise ValueError(f"no pin with id {msg['id']}")
+            return await self._warm(wpin)
+        if op == "clear":  # drop every chunk of one tier (pinned ones only when asked)
+            self._check_admin(msg)
+            return await self._clear(str(msg["tier"]), bool(msg.get("include_pinned")))
         raise ValueError(f"unknown op {op!r}")
+
+    def _ls(self, prefix: str, limit: int) -> dict[str, Any]:
+        found: list[dict[str, Any]] = []
+        for slot in self.store.slots:
+            pinned = self.store.pinned_keys(slot.name)
+            for k, size in slot.tier.entries():
+                if k.startswith(prefix):
+                    found.append(
+                        {"key": k, "tier": slot.name, "bytes": size, "pinned": k in pinned}
+                    )
+        found.sort(key=lambda e: e["key"])
+        return {"entries": found[: max(0, limit)], "total": len(found)}
+
+    async def _warm_source(self, key: str) -> bytes | None:
+        """The nearest verified copy of ``key`` (a tier of this node, then a peer), read
+        without counting a hit: warming is not traffic."""
+        for slot in self.store.slots:
+            if not (await slot.tier.contains_many([key]))[0]:
+                continue
+            raw = await slot.tier.get(key)
+            if raw is None:
+                continue
+            try:
+                codec.decode(raw, expect_key=key)
+            except codec.ChunkError:
+                self.metrics.verification_failures.labels(slot.name).inc()
+                continue
+            return bytes(raw)
+        hit = await self.store._get_from_peer(key, None)
+        return None if hit is None else codec.encode(hit.meta, hit.payload)
+
+    async def _warm(self, pin: Pin) -> dict[str, Any]:
+        """Copy each chunk of ``pin`` into every pinned tier of this node that lacks it."""
+        slots = [self.store.by_name[t] for t in pin.tiers if t in self.store.by_name]
+        copied = 0
+        missing: list[str] = []
+        for key in pin.keys:
+            lacking = [s for s in slots if not (await s.tier.contains_many([key]))[0]]
+            if not lacking:
+                continue
+            raw = await self._warm_source(key)
+            if raw is None:
+                missing.append(key)
+                continue
+            for s in lacking:
+                if await self.store._write_tier(s, key, raw, force=True):
+                    copied += 1
+        res = (await self._residency([pin]))[pin.id]
+        return {"copied": copied, "missing": missing, "residency": res}
+
+    async def _clear(self, tier: str, include_pinned: bool) -> dict[str, Any]:
+        slot = self.store.by_name.get(tier)
+        if slot is None:
+            raise ValueError(
+                f"this node has no {tier} tier (has {', '.join(s.name for s in self.store.slots)})"
+            )
+        pinned: set[str] = set() if include_pinned else self.store.pinned_keys(tier)
+        held = [k for k, _ in slot.tier.entries()]
+        keys = [k for k in held if k not in pinned]
+        for k in keys:
+            await self.store.delete(k, tiers=[tier])
+        return {"removed": len(keys), "kept_pinned": len(held) - len(keys)}
 
     async def _residency(self, pins: list[Pin]) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}

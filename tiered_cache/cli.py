@@ -6,20 +6,24 @@ Errors are one line on stderr with a non-zero exit code, never a traceback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import os
+import re
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
 from tiered_cache.config import CacheConfig, ConfigError, load_config, parse_duration
+from tiered_cache.keys import ModelFingerprint
 
 F = TypeVar("F", bound=Callable[..., Any])
 TIERS = ("dram", "nvme", "s3")
@@ -53,12 +57,19 @@ def _load(config: str | None) -> CacheConfig:
     return load_config(config) if config else load_config(None)
 
 
+# Long-running commands log at INFO; admin commands only print their result or a one-line
+# error (library warnings, e.g. "Redis unavailable", would add lines), unless -v.
+_SERVICES = ("agent", "router", "dashboard", "simulate")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(verbose: bool) -> None:
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
     """tiered-cache: a tiered KV cache (DRAM -> NVMe -> S3) for vLLM."""
+    quiet = ctx.invoked_subcommand not in _SERVICES
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose else (logging.CRITICAL if quiet else logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
@@ -138,6 +149,54 @@ def _chunk_bytes(model: str | None, dtype: str, chunk_size: int) -> int:
     return int(c["num_hidden_layers"]) * 2 * kvh * hd * nbytes * chunk_size
 
 
+def _tier_list(tiers: str, what: str = "tier") -> list[str]:
+    tier_list = [t.strip() for t in tiers.split(",") if t.strip()]
+    bad = [t for t in tier_list if t not in TIERS]
+    if bad or not tier_list:
+        raise CliError(f"unknown {what} {', '.join(bad) or '(none)'}; valid: {', '.join(TIERS)}")
+    return list(dict.fromkeys(tier_list))
+
+
+def _agent_op(cfg: CacheConfig, op: str, *, hint: str = "", **kw: Any) -> dict[str, Any]:
+    """One request to this node's agent over its socket (no shared-memory attach)."""
+    from tiered_cache.dashboard import AgentUnreachable, agent_call
+
+    try:
+        return asyncio.run(agent_call(cfg.socket_path, {"op": op, **kw}))
+    except AgentUnreachable:
+        raise CliError(
+            f"no node agent at {cfg.socket_path}; start `tiered-cache agent`{hint}"
+        ) from None
+
+
+def _redis(cfg: CacheConfig, fn: Callable[[Any], Any], *, check: bool = True) -> Any:
+    """Run ``fn(directory)`` against Redis. Reads check reachability first, since the
+    directory answers reads from its last known state when Redis is down."""
+    from tiered_cache.directory import RedisDirectory
+
+    async def go() -> Any:
+        d = RedisDirectory.from_url(cfg.redis_url or "")
+        try:
+            if check:
+                await d.check()
+            return await fn(d)
+        finally:
+            await d.close()
+
+    return asyncio.run(go())
+
+
+@dataclasses.dataclass(frozen=True)
+class _GivenFingerprint(ModelFingerprint):
+    """A fingerprint known only by its digest (as the vLLM connector logs it)."""
+
+    given: bytes = b""
+
+    @property
+    def digest(self) -> bytes:
+        return self.given
+
+
 class _Admin:
     """Pin-list access: Redis directly when configured, else the node agent's socket."""
 
@@ -145,70 +204,70 @@ class _Admin:
         self.cfg = cfg
         self.token = token
 
-    def _agent(self) -> Any:
-        from tiered_cache.client import AgentClient
+    def _need_token(self, what: str) -> None:
+        if self.cfg.agent.auth_token and self.token != self.cfg.agent.auth_token:
+            raise CliError(f"{what} needs the admin token (--token or TIERED_CACHE_TOKEN)")
 
-        try:
-            return AgentClient(self.cfg.socket_path)
-        except OSError:
-            raise CliError(
-                f"no node agent at {self.cfg.socket_path} and no redis_url configured; "
-                "start `tiered-cache agent` or set redis_url"
-            ) from None
-
-    def _run(self, fn: Callable[[Any], Any]) -> Any:
-        from tiered_cache.directory import RedisDirectory
-
-        async def go() -> Any:
-            d = RedisDirectory.from_url(self.cfg.redis_url or "")
-            try:
-                return await fn(d)
-            finally:
-                await d.close()
-
-        return asyncio.run(go())
+    def _op(self, op: str, **kw: Any) -> dict[str, Any]:
+        hint = "" if self.cfg.redis_url else " or set redis_url"
+        return _agent_op(self.cfg, op, hint=hint, **kw)
 
     def add(self, pin: Any, chunk_bytes: int) -> str:
         if self.cfg.redis_url:
-            if self.cfg.agent.auth_token and self.token != self.cfg.agent.auth_token:
-                raise CliError("pin add needs the admin token (--token or TIERED_CACHE_TOKEN)")
-            self._run(lambda d: d.add_pin(pin))
+            self._need_token("pin add")
+            _redis(self.cfg, lambda d: d.add_pin(pin), check=False)
             return str(pin.id)
-        c = self._agent()
-        try:
-            return str(
-                c.admin("pin_add", pin=pin.model_dump(), chunk_bytes=chunk_bytes, token=self.token)[
-                    "id"
-                ]
-            )
-        finally:
-            c.close()
+        return str(
+            self._op("pin_add", pin=pin.model_dump(), chunk_bytes=chunk_bytes, token=self.token)[
+                "id"
+            ]
+        )
 
     def remove(self, pin_id: str) -> bool:
         if self.cfg.redis_url:
-            if self.cfg.agent.auth_token and self.token != self.cfg.agent.auth_token:
-                raise CliError("pin rm needs the admin token (--token or TIERED_CACHE_TOKEN)")
-            return bool(self._run(lambda d: d.remove_pin(pin_id)))
-        c = self._agent()
-        try:
-            return bool(c.admin("pin_rm", id=pin_id, token=self.token)["removed"])
-        finally:
-            c.close()
+            self._need_token("pin rm")
+            return bool(_redis(self.cfg, lambda d: d.remove_pin(pin_id), check=False))
+        return bool(self._op("pin_rm", id=pin_id, token=self.token)["removed"])
 
-    def list(self) -> tuple[list[Any], dict[str, dict[str, str]]]:
+    def list(
+        self, *, fleet: bool = False
+    ) -> tuple[list[Any], dict[str, dict[str, str]], dict[str, dict[str, list[str]]]]:
+        """Pins, their residency on this node (when its agent runs) and, with Redis and
+        ``fleet``, the nodes holding each pin per tier."""
+        from tiered_cache.dashboard import AgentUnreachable, Collector, agent_call
         from tiered_cache.directory import Pin
 
+        pins: list[Any] = []
+        res: dict[str, dict[str, str]] = {}
         try:
-            c = self._agent()
-        except CliError:
+            r = asyncio.run(agent_call(self.cfg.socket_path, {"op": "pin_ls"}))
+            pins = [Pin.model_validate(p) for p in r["pins"]]
+            res = r["residency"]
+            have_agent = True
+        except AgentUnreachable:
             if not self.cfg.redis_url:
-                raise
-            return list(self._run(lambda d: d.list_pins())), {}
-        try:
-            r = c.admin("pin_ls")
-            return [Pin.model_validate(p) for p in r["pins"]], r["residency"]
-        finally:
-            c.close()
+                raise CliError(
+                    f"no node agent at {self.cfg.socket_path} and no redis_url configured; "
+                    "start `tiered-cache agent` or set redis_url"
+                ) from None
+            have_agent = False
+        where: dict[str, dict[str, list[str]]] = {}
+        if self.cfg.redis_url and (fleet or not have_agent):
+
+            async def read(d: Any) -> tuple[list[Any], dict[str, dict[str, list[str]]]]:
+                ps = pins if have_agent else await d.list_pins()
+                f = await Collector._fleet(d, [p.model_dump() for p in ps]) if fleet else {}
+                return ps, f
+
+            pins, where = _redis(self.cfg, read)
+        return pins, res, where
+
+    def get(self, pin_id: str) -> Any:
+        pins, _, _ = self.list()
+        for p in pins:
+            if p.id == pin_id:
+                return p
+        raise CliError(f"no pin with id {pin_id}")
 
 
 def _check_budget(cfg: CacheConfig, tiers: list[str], need: int) -> None:
@@ -235,6 +294,7 @@ _cfg_opt = click.option("-c", "--config", type=click.Path(dir_okay=False), help=
 _token_opt = click.option(
     "--token", envvar="TIERED_CACHE_TOKEN", help="Admin token (env TIERED_CACHE_TOKEN)."
 )
+_json_opt = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
 @pin.command("add")
@@ -248,12 +308,20 @@ _token_opt = click.option(
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--kv-layout", default="LBHNC", show_default=True)
 @click.option("--tp-size", type=int, default=1, show_default=True)
+@click.option(
+    "--fingerprint",
+    "fingerprints",
+    multiple=True,
+    help="The connector's fingerprint (hex, from its startup log), one per TP rank; "
+    "replaces --model/--dtype/--kv-layout/--tp-size for the keys.",
+)
+@click.option("--chunk-size", type=int, help="Tokens per chunk (default: the config's).")
 @click.option("--tiers", default="dram", show_default=True, help="Comma list of dram,nvme,s3.")
 @click.option("--ttl", default="none", show_default=True, help="e.g. 24h, 30m; none = hard pin.")
 @click.option("--salt", help="cache_salt of the tenant.")
 @click.option("--note", default="", help="Free text shown by `pin ls`.")
 @click.option("--owner", default=lambda: os.environ.get("USER", "admin"))
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 @friendly
 def pin_add(
     config: str | None,
@@ -266,6 +334,8 @@ def pin_add(
     block_size: int,
     kv_layout: str,
     tp_size: int,
+    fingerprints: tuple[str, ...],
+    chunk_size: int | None,
     tiers: str,
     ttl: str,
     salt: str | None,
@@ -275,35 +345,51 @@ def pin_add(
 ) -> None:
     """Pin a prefix: print its id, chunks and bytes."""
     from tiered_cache.directory import Pin
-    from tiered_cache.keys import ModelFingerprint, chunk_keys
+    from tiered_cache.keys import chunk_keys
 
     cfg = _load(config)
-    tier_list = [t.strip() for t in tiers.split(",") if t.strip()]
-    bad = [t for t in tier_list if t not in TIERS]
-    if bad or not tier_list:
-        raise CliError(f"unknown tier {', '.join(bad) or '(none)'}; valid: {', '.join(TIERS)}")
+    tier_list = _tier_list(tiers)
     ttl_s = parse_duration(ttl)
     toks = _tokens(text, file, tokens, model)
     keys_all: list[str] = []
     fp_hex = ""
-    for rank in range(tp_size):
-        fp = ModelFingerprint(
-            model_id=model or "default",
-            dtype=dtype,
-            kv_layout=kv_layout,
-            block_size=block_size,
-            tp_rank=rank,
-            tp_world_size=tp_size,
-            chunk_size=cfg.chunk_size,
-        )
+    csize = chunk_size or cfg.chunk_size
+    if csize % block_size:
+        raise CliError(f"--chunk-size {csize} must be a multiple of --block-size {block_size}")
+    fps: list[ModelFingerprint] = []
+    if fingerprints:
+        for h in fingerprints:  # one per TP rank, as the connector logs them
+            try:
+                digest = bytes.fromhex(h)
+            except ValueError:
+                digest = b""
+            if len(digest) != 16:
+                raise CliError(f"--fingerprint takes 32 hex characters, got {h!r}")
+            fps.append(
+                _GivenFingerprint("given", block_size=block_size, chunk_size=csize, given=digest)
+            )
+    else:
+        fps = [
+            ModelFingerprint(
+                model_id=model or "default",
+                dtype=dtype,
+                kv_layout=kv_layout,
+                block_size=block_size,
+                tp_rank=rank,
+                tp_world_size=tp_size,
+                chunk_size=csize,
+            )
+            for rank in range(tp_size)
+        ]
+    for fp in fps:
         keys_all.extend(chunk_keys(toks, fp, cache_salt=salt))
         fp_hex = fp_hex or fp.hex
     if not keys_all:
         raise CliError(
-            f"prefix has {len(toks)} tokens, fewer than one chunk ({cfg.chunk_size}); "
+            f"prefix has {len(toks)} tokens, fewer than one chunk ({csize}); "
             "only whole chunks are pinned"
         )
-    cb = _chunk_bytes(model, dtype, cfg.chunk_size) // max(1, tp_size)
+    cb = _chunk_bytes(model, dtype, csize) // max(1, len(fps))
     _check_budget(cfg, tier_list, cb * len(keys_all))
     now = time.time()
     p = Pin(
@@ -318,6 +404,7 @@ def pin_add(
         fingerprint=fp_hex,
         num_tokens=len(toks),
         bytes_per_chunk=cb or None,
+        tokens=toks,
     )
     pin_id = _Admin(cfg, token).add(p, cb)
     info = {
@@ -333,14 +420,14 @@ def pin_add(
     else:
         click.echo(
             f"pinned {pin_id}: {len(keys_all)} chunks, {len(toks)} tokens, "
-            f"{_fmt_bytes(cb * len(keys_all))} in {','.join(tier_list)}"
-            + (f", ttl {ttl}" if ttl_s else ", no ttl (hard pin)")
+            f"{_fmt_bytes(cb * len(keys_all)) if cb else 'size unknown (no --model config)'}"
+            f" in {','.join(tier_list)}" + (f", ttl {ttl}" if ttl_s else ", no ttl (hard pin)")
         )
 
 
-def _fmt_bytes(n: int | None) -> str:
+def _fmt_bytes(n: float | None) -> str:
     if not n:
-        return "?"
+        return "?" if n is None else "0B"
     f = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if f < 1024 or unit == "TiB":
@@ -349,47 +436,72 @@ def _fmt_bytes(n: int | None) -> str:
     return str(n)
 
 
+def _fmt_age(s: float | None) -> str:
+    if s is None:
+        return "none"
+    s = max(0.0, float(s))
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    if s < 172800:
+        return f"{s / 3600:.1f}h"
+    return f"{s / 86400:.1f}d"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _table(rows: list[list[str]], right: Collection[int] = ()) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        out.append("  ".join(cells).rstrip())
+    return "\n".join(out)
+
+
 @pin.command("ls")
 @_cfg_opt
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--fleet/--no-fleet", default=True, help="With Redis: which nodes hold each pin.")
+@_json_opt
 @friendly
-def pin_ls(config: str | None, as_json: bool) -> None:
-    """List pins with owner, age, TTL left, bytes and residency per tier."""
+def pin_ls(config: str | None, fleet: bool, as_json: bool) -> None:
+    """List pins: owner, age, TTL left, bytes, residency per tier (resident/pending/missing)."""
+    from tiered_cache.dashboard import pin_rows
+
     cfg = _load(config)
-    pins, res = _Admin(cfg, None).list()
-    now = time.time()
-    rows = []
-    for p in pins:
-        rows.append(
-            {
-                "id": p.id,
-                "owner": p.owner,
-                "age_s": round(now - p.created_at),
-                "ttl_left_s": None if p.expires_at is None else round(p.expires_at - now),
-                "chunks": len(p.keys),
-                "tokens": p.num_tokens,
-                "bytes": (p.bytes_per_chunk or 0) * len(p.keys),
-                "tiers": p.tiers,
-                "residency": res.get(p.id, {}),
-                "note": p.note,
-            }
-        )
+    pins, res, where = _Admin(cfg, None).list(fleet=fleet)
+    rows = pin_rows([p.model_dump() for p in pins], res, where)
     if as_json:
         click.echo(json.dumps(rows))
         return
     if not rows:
         click.echo("no pins")
         return
-    click.echo(
-        f"{'ID':12}  {'OWNER':10} {'AGE':>7} {'TTL':>8} {'CHUNKS':>6} {'BYTES':>9}  RESIDENCY"
-    )
+    table = [["ID", "OWNER", "AGE", "TTL LEFT", "CHUNKS", "BYTES", "RESIDENCY", "NOTE"]]
+    if where:
+        table[0].insert(7, "FLEET")
     for r in rows:
-        ttl = "none" if r["ttl_left_s"] is None else f"{r['ttl_left_s']}s"
         resid = " ".join(f"{t}={r['residency'].get(t, '?')}" for t in r["tiers"])
-        click.echo(
-            f"{r['id']:12}  {r['owner'][:10]:10} {r['age_s']:>6}s {ttl:>8} {r['chunks']:>6} "
-            f"{_fmt_bytes(r['bytes']):>9}  {resid}  {r['note']}"
-        )
+        line = [
+            r["id"],
+            r["owner"][:12],
+            _fmt_age(r["age_s"]),
+            "hard pin" if r["ttl_left_s"] is None else _fmt_age(r["ttl_left_s"]),
+            str(r["chunks"]),
+            _fmt_bytes(r["bytes"]) if r["bytes"] else "?",
+            resid,
+            r["note"],
+        ]
+        if where:
+            line.insert(7, " ".join(f"{t}={len(n)}" for t, n in r["fleet"].items()))
+        table.append(line)
+    click.echo(_table(table, right={2, 3, 4, 5}))
 
 
 @pin.command("rm")
@@ -405,36 +517,518 @@ def pin_rm(config: str | None, token: str | None, pin_id: str) -> None:
     click.echo(f"removed {pin_id}")
 
 
-@main.command()
+_EXPORT_FIELDS = (
+    "id",
+    "name",
+    "note",
+    "owner",
+    "tiers",
+    "ttl_s",
+    "fingerprint",
+    "num_tokens",
+    "bytes_per_chunk",
+    "keys",
+    "tokens",
+)
+
+
+def _export_doc(pins: list[Any]) -> dict[str, Any]:
+    out = []
+    for p in pins:
+        d = p.model_dump()
+        out.append({k: d[k] for k in _EXPORT_FIELDS if d.get(k) not in (None, "")})
+    return {"version": 1, "pins": out}
+
+
+@pin.command("export")
 @_cfg_opt
-@click.option("--json", "as_json", is_flag=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="File (default: stdout).")
 @friendly
-def stats(config: str | None, as_json: bool) -> None:
-    """Usage and hit counters of this node's agent."""
-    from tiered_cache.client import AgentClient
+def pin_export(config: str | None, output: str | None) -> None:
+    """Write the pin list as YAML (keep it in git; restore with `pin import`)."""
+    import yaml
+
+    cfg = _load(config)
+    pins, _, _ = _Admin(cfg, None).list()
+    text = (
+        "# tiered-cache pins: `tiered-cache pin import FILE` restores them.\n"
+        "# A TTL pin's TTL starts again when it is imported.\n"
+        + yaml.safe_dump(_export_doc(pins), sort_keys=False, default_flow_style=None, width=100)
+    )
+    if output:
+        Path(output).write_text(text)
+        click.echo(f"wrote {len(pins)} pins to {output}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
+def _same_pin(a: Any, b: Any) -> bool:
+    fields = ("note", "name", "owner", "tiers", "ttl_s", "keys", "tokens", "fingerprint")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+@pin.command("import")
+@_cfg_opt
+@_token_opt
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--prune", is_flag=True, help="Also remove pins that are not in FILE.")
+@click.option("--dry-run", is_flag=True, help="Print what would change, change nothing.")
+@friendly
+def pin_import(
+    config: str | None, token: str | None, file: str, prune: bool, dry_run: bool
+) -> None:
+    """Add or update the pins of a YAML file written by `pin export`."""
+    import yaml
+    from pydantic import ValidationError
+
+    from tiered_cache.config import format_validation_error
+    from tiered_cache.directory import Pin
 
     cfg = _load(config)
     try:
-        c = AgentClient(cfg.socket_path)
-    except OSError:
-        raise CliError(f"no node agent at {cfg.socket_path}") from None
-    try:
-        s = c.admin("stats")
-    finally:
-        c.close()
-    s.pop("ok", None)
-    if as_json:
-        click.echo(json.dumps(s))
-        return
-    m = s["metrics"]
-    click.echo(f"node {s['node_id']}")
-    for tier, u in s["usage"].items():
-        hits = m.get(f"tiered_cache_hits_total{{tier={tier}}}", 0)
-        cap = u["capacity_bytes"]
-        click.echo(
-            f"  {tier:5} {_fmt_bytes(u['used_bytes'])}/{_fmt_bytes(cap) if cap else 'unbounded'}"
-            f" {u['chunks']} chunks, pinned {_fmt_bytes(u['pinned_bytes'])}, hits {hits:.0f}"
+        doc = yaml.safe_load(Path(file).read_text())
+    except yaml.YAMLError as e:
+        raise CliError(f"{file}: invalid YAML: {str(e).splitlines()[0]}") from None
+    if isinstance(doc, list):
+        doc = {"pins": doc}
+    if not isinstance(doc, dict) or not isinstance(doc.get("pins"), list):
+        raise CliError(f"{file}: expected a mapping with a `pins:` list")
+    now = time.time()
+    wanted: list[Any] = []
+    for i, entry in enumerate(doc["pins"]):
+        if not isinstance(entry, dict):
+            raise CliError(f"{file}: pin #{i + 1} is not a mapping")
+        try:
+            p = Pin.model_validate({**entry, "created_at": now, "expires_at": None})
+        except ValidationError as e:
+            raise CliError(f"{file}: pin #{i + 1}: {format_validation_error(e)}") from None
+        _check_budget(cfg, p.tiers, (p.bytes_per_chunk or 0) * len(p.keys))
+        wanted.append(p)
+    ids = [p.id for p in wanted]
+    if len(set(ids)) != len(ids):
+        raise CliError(f"{file}: duplicate pin ids")
+    admin = _Admin(cfg, token)
+    current = {p.id: p for p in admin.list()[0]}
+    counts = {"added": 0, "updated": 0, "unchanged": 0, "removed": 0}
+    for p in wanted:
+        old = current.get(p.id)
+        what = "unchanged" if old and _same_pin(old, p) else ("updated" if old else "added")
+        counts[what] += 1
+        if what != "unchanged":
+            click.echo(f"{'would be ' if dry_run else ''}{what}: {p.id} {p.note}".rstrip())
+            if not dry_run:
+                admin.add(p, p.bytes_per_chunk or 0)
+    if prune:
+        for pid in sorted(set(current) - set(ids)):
+            counts["removed"] += 1
+            click.echo(f"{'would be ' if dry_run else ''}removed: {pid}")
+            if not dry_run:
+                admin.remove(pid)
+    click.echo(
+        ("dry run: " if dry_run else "")
+        + ", ".join(f"{n} {k}" for k, n in counts.items() if n or k != "removed")
+    )
+
+
+def _prefill(
+    server: str, model: str | None, tokens: list[int], salt: str | None, timeout: float
+) -> str:
+    """Send the prefix to a vLLM server (OpenAI API) with max_tokens=1, so its connector
+    stores the chunks. Returns the model name used."""
+    import urllib.error
+    import urllib.request
+
+    base = server.rstrip("/").removesuffix("/v1")
+    if not base.startswith(("http://", "https://")):
+        raise CliError(f"--server must be an http:// or https:// URL, got {server!r}")
+
+    def call(path: str, body: dict[str, Any] | None) -> Any:
+        req = urllib.request.Request(
+            base + path,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="GET" if body is None else "POST",
         )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:200].decode(errors="replace").replace("\n", " ")
+            raise CliError(f"vLLM at {base} answered {e.code} to {path}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise CliError(f"cannot reach vLLM at {base}: {reason}") from None
+
+    if model is None:
+        models = call("/v1/models", None)
+        try:
+            model = str(models["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise CliError(f"vLLM at {base} lists no model; pass --model") from None
+    body: dict[str, Any] = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0}
+    if salt:
+        body["cache_salt"] = salt
+    call("/v1/completions", body)
+    return model
+
+
+@pin.command("warm")
+@_cfg_opt
+@_token_opt
+@click.argument("pin_id")
+@click.option(
+    "--server",
+    help="vLLM base URL (http://host:8000) to prefill through when no tier has the prefix.",
+)
+@click.option("--model", help="Served model name for --server (default: its first model).")
+@click.option("--salt", help="The cache_salt the pin was made with (sent to --server).")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds.")
+@_json_opt
+@friendly
+def pin_warm(
+    config: str | None,
+    token: str | None,
+    pin_id: str,
+    server: str | None,
+    model: str | None,
+    salt: str | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Make a pinned prefix resident in its tiers on this node.
+
+    Chunks held by some tier (here, a peer or S3) are copied into the pinned tiers; chunks
+    held nowhere are prefilled through --server, whose connector stores them.
+    """
+    cfg = _load(config)
+    admin = _Admin(cfg, token)
+    r = admin._op("warm", id=pin_id, token=token)
+    copied = int(r["copied"])
+    prefilled = None
+    if r["missing"]:
+        n = len(r["missing"])
+        if not server:
+            raise CliError(
+                f"{n} chunks of pin {pin_id} are in no tier; pass --server URL to prefill "
+                "them through vLLM"
+            )
+        p = admin.get(pin_id)
+        if not p.tokens:
+            raise CliError(f"pin {pin_id} has no stored tokens to prefill; add it again")
+        prefilled = _prefill(server, model, p.tokens, salt, timeout)
+        deadline = time.monotonic() + min(timeout, 60.0)
+        while True:  # the connector stores asynchronously: wait for the chunks to land
+            r = admin._op("warm", id=pin_id, token=token)
+            copied += int(r["copied"])
+            if not r["missing"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if r["missing"]:
+            raise CliError(
+                f"after prefilling through {server}, {len(r['missing'])} chunks of pin "
+                f"{pin_id} are still in no tier (does that server use this node's cache, "
+                "with the pin's model, dtype, block size and salt?)"
+            )
+    out = {"id": pin_id, "copied": copied, "prefilled_via": prefilled, "residency": r["residency"]}
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    resid = " ".join(f"{t}={s}" for t, s in r["residency"].items())
+    via = f", prefilled through {server} ({prefilled})" if prefilled else ""
+    click.echo(f"warmed {pin_id}: copied {copied} chunk copies{via}; {resid}")
+
+
+# ------------------------------------------------------------------- cache admin
+
+
+@main.command("ls")
+@_cfg_opt
+@click.option("--prefix", default="", help="Key prefix (hex); empty lists everything.")
+@click.option("--limit", type=int, default=100, show_default=True)
+@_json_opt
+@friendly
+def ls_cmd(config: str | None, prefix: str, limit: int, as_json: bool) -> None:
+    """List chunk keys on this node with a prefix, across tiers."""
+    prefix = prefix.lower()
+    if not re.fullmatch(r"[0-9a-f]{0,32}", prefix):
+        raise CliError("--prefix must be hex (chunk keys are 32 hex characters)")
+    cfg = _load(config)
+    r = _agent_op(cfg, "ls", prefix=prefix, limit=limit)
+    if as_json:
+        click.echo(json.dumps({"entries": r["entries"], "total": r["total"]}))
+        return
+    if not r["entries"]:
+        click.echo(f"no chunks with prefix {prefix!r}")
+        return
+    rows = [["KEY", "TIER", "BYTES", "PINNED"]]
+    for e in r["entries"]:
+        rows.append([e["key"], e["tier"], _fmt_bytes(e["bytes"]), "yes" if e["pinned"] else ""])
+    click.echo(_table(rows, right={2}))
+    if r["total"] > len(r["entries"]):
+        click.echo(f"... {r['total'] - len(r['entries'])} more (raise --limit)")
+
+
+@main.command()
+@_cfg_opt
+@_token_opt
+@click.argument("key")
+@click.option("--tier", "tiers", help="Comma list of tiers (default: every tier).")
+@friendly
+def evict(config: str | None, token: str | None, key: str, tiers: str | None) -> None:
+    """Remove one chunk from this node's tiers (pinned or not)."""
+    from tiered_cache.keys import is_valid_key
+
+    key = key.lower()
+    if not is_valid_key(key):
+        raise CliError(f"not a chunk key: {key!r} (32 hex characters)")
+    tier_list = _tier_list(tiers) if tiers else None
+    cfg = _load(config)
+    where = [
+        e["tier"]
+        for e in _agent_op(cfg, "ls", prefix=key, limit=10)["entries"]
+        if tier_list is None or e["tier"] in tier_list
+    ]
+    if not where:
+        scope = f" in {','.join(tier_list)}" if tier_list else ""
+        raise CliError(f"no chunk {key} on this node{scope}")
+    _agent_op(cfg, "evict", key=key, tiers=where, token=token)
+    click.echo(f"evicted {key} from {','.join(where)}")
+
+
+@main.command()
+@_cfg_opt
+@_token_opt
+@click.option("--tier", "tiers", help="Comma list of tiers to empty.")
+@click.option("--include-pinned", is_flag=True, help="Drop pinned chunks too.")
+@click.option(
+    "--write-back",
+    is_flag=True,
+    help="Instead: finish pending writes and copy "
+    "DRAM-only chunks down (drops nothing, no confirmation).",
+)
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@friendly
+def flush(
+    config: str | None,
+    token: str | None,
+    tiers: str | None,
+    include_pinned: bool,
+    write_back: bool,
+    yes: bool,
+) -> None:
+    """Drop every chunk of a tier on this node (asks for confirmation)."""
+    cfg = _load(config)
+    if write_back:
+        r = _agent_op(cfg, "flush", token=token)
+        click.echo(f"flushed: wrote back {r['written_back']} DRAM chunks")
+        return
+    if not tiers:
+        raise CliError("give --tier (e.g. --tier dram), or --write-back")
+    tier_list = _tier_list(tiers)
+    what = "chunk" if include_pinned else "unpinned chunk"
+    if not yes:
+        click.confirm(
+            f"Drop every {what} from {', '.join(tier_list)} on node {cfg.node_id}?", abort=True
+        )
+    for t in tier_list:
+        r = _agent_op(cfg, "clear", tier=t, include_pinned=include_pinned, token=token)
+        kept = f", kept {r['kept_pinned']} pinned" if r["kept_pinned"] else ""
+        click.echo(f"flushed {t}: removed {r['removed']} chunks{kept}")
+
+
+@main.command()
+@_cfg_opt
+@_json_opt
+@friendly
+def nodes(config: str | None, as_json: bool) -> None:
+    """Live agents, their tiers and heartbeat age."""
+    cfg = _load(config)
+    if cfg.redis_url:
+        live = _redis(cfg, lambda d: d.nodes())
+    else:
+        live = _agent_op(cfg, "nodes", hint=" or set redis_url")["nodes"]
+    now = time.time()
+    rows_j = []
+    for n in sorted(live):
+        info = live[n]
+        rows_j.append(
+            {
+                "node": n,
+                "heartbeat_age_s": round(now - float(info.get("last_seen", now)), 1),
+                "expires_in_s": round(float(info.get("expires_at", now)) - now, 1),
+                "tiers": info.get("tiers", {}),
+                "peer": info.get("peer"),
+                "pid": info.get("pid"),
+            }
+        )
+    if as_json:
+        click.echo(json.dumps(rows_j))
+        return
+    if not rows_j:
+        click.echo("no live agents")
+        return
+    table = [["NODE", "HEARTBEAT", "PEER", "TIERS (used/capacity)"]]
+    for r in rows_j:
+        tiers = "  ".join(
+            f"{t} {_fmt_bytes(u.get('used_bytes'))}/"
+            f"{_fmt_bytes(u['capacity_bytes']) if u.get('capacity_bytes') else 'unbounded'}"
+            for t, u in r["tiers"].items()
+        )
+        peer = ":".join(str(x) for x in r["peer"]) if r["peer"] else "-"
+        table.append([r["node"], f"{r['heartbeat_age_s']:.1f}s ago", peer, tiers])
+    click.echo(_table(table))
+
+
+def _stats_text(s: dict[str, Any]) -> str:
+    lines = []
+    head = f"node {s['node_id']}" if s["node_id"] else f"no local agent ({s['agent_error']})"
+    lines.append(
+        f"{head} · directory {s['directory']}" + ("" if s["directory_ok"] else " (degraded)")
+    )
+    if s["tiers"]:
+        rows = [["TIER", "HIT RATE", "HITS", "HIT TOKENS", "USED", "CAPACITY", "USE", "CHUNKS",
+                 "PINNED", "EVICTIONS"]]  # fmt: skip
+        for t, v in s["tiers"].items():
+            cap = v["capacity_bytes"]
+            used = v["used_bytes"]
+            rows.append(
+                [
+                    t,
+                    _pct(v["hit_rate"]),
+                    f"{v['hits']:.0f}",
+                    f"{v['hit_tokens']:.0f}",
+                    "-" if used is None else _fmt_bytes(used),
+                    "-" if used is None else (_fmt_bytes(cap) if cap else "unbounded"),
+                    _pct(used / cap) if cap and used is not None else "-",
+                    "-" if v["chunks"] is None else str(v["chunks"]),
+                    "-" if v["pinned_bytes"] is None else _fmt_bytes(v["pinned_bytes"]),
+                    f"{v['evictions']:.0f}",
+                ]
+            )
+        lines.append(_table(rows, right=set(range(1, 10))))
+        lines.append(f"hit rate {_pct(s['hit_rate'])}, misses {s['misses']:.0f}")
+        e = s["errors"]
+        lines.append(
+            "errors: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in e.items())
+            + f"; admission rejects {s['admission_rejects']:.0f}"
+        )
+    c = s["cluster"]
+    if c["hits"] or c["misses"]:
+        by = ", ".join(f"{t} {_pct(v)}" for t, v in c["hit_rate_by_tier"].items())
+        lines.append(f"cluster: hit rate {_pct(c['hit_rate'])} ({by}), misses {c['misses']:.0f}")
+    if s["nodes"]:
+        rows = [["NODE", "HEARTBEAT", "HIT RATE", "TIER", "USED", "CAPACITY", "USE"]]
+        for n in s["nodes"]:
+            age = "gone" if not n["live"] else f"{n['heartbeat_age_s'] or 0:.1f}s ago"
+            first = True
+            for t, u in (n["tiers"] or {"-": {}}).items():
+                cap, used = u.get("capacity_bytes"), u.get("used_bytes")
+                rows.append(
+                    [
+                        n["node"] if first else "",
+                        age if first else "",
+                        _pct(n["hit_rate"]) if first and (n["hits"] or n["misses"]) else "",
+                        t,
+                        _fmt_bytes(used) if used is not None else "-",
+                        (_fmt_bytes(cap) if cap else "unbounded") if u else "-",
+                        _pct(used / cap) if cap and used is not None else "-",
+                    ]
+                )
+                first = False
+        lines.append(_table(rows, right={2, 4, 5, 6}))
+    return "\n".join(lines)
+
+
+@main.command()
+@_cfg_opt
+@_json_opt
+@click.option("--watch", type=float, metavar="SECONDS", help="Refresh every SECONDS.")
+@click.option("--count", type=int, help="With --watch: stop after this many readings.")
+@click.option("--scrape", multiple=True, metavar="URL", help="Also read an agent's /metrics.")
+@friendly
+def stats(
+    config: str | None,
+    as_json: bool,
+    watch: float | None,
+    count: int | None,
+    scrape: tuple[str, ...],
+) -> None:
+    """Hit rate per tier, usage and capacity per tier and node, evictions, errors."""
+    from tiered_cache.dashboard import Collector, summarize
+
+    cfg = _load(config)
+    if watch is not None and watch <= 0:
+        raise CliError("--watch takes a positive number of seconds")
+    clear = watch is not None and not as_json and sys.stdout.isatty()
+
+    async def go() -> None:
+        col = Collector(cfg, scrape=scrape)
+        try:
+            await col.check_directory()
+            n = 0
+            while True:
+                rd = await col.read()
+                if rd.agent_error and not cfg.redis_url:
+                    raise CliError(f"{rd.agent_error}; start `tiered-cache agent` or set redis_url")
+                s = summarize(rd)
+                if as_json:
+                    click.echo(json.dumps(s))
+                else:
+                    if clear:
+                        click.clear()
+                    elif n:
+                        click.echo()
+                    click.echo(_stats_text(s))
+                n += 1
+                if watch is None or (count is not None and n >= count):
+                    return
+                await asyncio.sleep(watch)
+        finally:
+            await col.close()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(go())
+
+
+@main.command()
+@_cfg_opt
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8790, show_default=True)
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per reading.")
+@click.option("--window", type=float, default=30.0, show_default=True, help="Rate window, seconds.")
+@click.option("--history", type=int, default=900, show_default=True, help="Readings kept.")
+@click.option("--scrape", multiple=True, metavar="URL", help="Also read an agent's /metrics.")
+@friendly
+def dashboard(
+    config: str | None,
+    host: str,
+    port: int,
+    interval: float,
+    window: float,
+    history: int,
+    scrape: tuple[str, ...],
+) -> None:
+    """Serve a live web dashboard of the cluster (hit rates, tokens, usage, pins, errors)."""
+    from tiered_cache.dashboard import Collector, Dashboard, serve
+
+    cfg = _load(config)
+    if interval <= 0 or window <= 0 or history < 2:
+        raise CliError("--interval and --window must be > 0 and --history at least 2")
+
+    async def check() -> None:
+        col = Collector(cfg, use_agent=False)
+        try:
+            await col.check_directory()
+        finally:
+            await col.close()
+
+    asyncio.run(check())
+    dash = Dashboard(
+        Collector(cfg, scrape=scrape), interval_s=interval, history=history, window_s=window
+    )
+    click.echo(f"dashboard on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
+    serve(dash, host, port)
 
 
 @main.command()
@@ -466,7 +1060,7 @@ def router(
     if config:
         from tiered_cache.client import connect
 
-        cache = connect(_load(config), embedded="never")
+        cache = connect(_load(config), embedded="never", attach_pool=False)
     run_router(prefill, decode, host, port, cache=cache)
 
 

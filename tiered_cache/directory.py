@@ -104,6 +104,8 @@ class Pin(BaseModel):
     fingerprint: str
     num_tokens: int = 0
     bytes_per_chunk: int | None = None
+    # The prefix's token ids, so `pin warm` can prefill it through vLLM; None when unknown.
+    tokens: list[int] | None = None
 
     @field_validator("id")
     @classmethod
