@@ -335,3 +335,27 @@ TestStoreProperties.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+async def test_leasing_more_chunks_than_dram_holds(nvme_dir: Path) -> None:
+    store = TieredStore(
+        [TierSlot(dram(2)), TierSlot(NVMeTier(nvme_dir, None), write_mode="write_through")]
+    )
+    for i in range(4):
+        await store.put(key(i), blob(key(i), i), wait=True)
+    for i in range(4):  # only NVMe has them now
+        await store.delete(key(i), tiers=["dram"])
+    ev = "tiered_cache_evictions_total"
+    before = store.metrics.value(ev, tier="dram", reason="capacity")
+    got = [await store.lease(key(i), expect_fingerprint=FP) for i in range(4)]
+    # Two are leased in DRAM; the rest come back inline instead of evicting leased slots.
+    leased = [g for g in got if isinstance(g, tuple)]
+    inline = [g for g in got if g is not None and not isinstance(g, tuple)]
+    assert len(leased) == 2 and len(inline) == 2
+    assert all(bytes(h.payload) == bytes([h.payload[0]]) * PAY for h in inline)
+    assert store.usage()["dram"]["chunks"] == 2
+    # Nothing was evicted to make room: leased chunks are passed over.
+    assert store.metrics.value(ev, tier="dram", reason="capacity") == before
+    for slot, _ in leased:
+        store.release(slot)
+    await store.close()

@@ -295,8 +295,6 @@ class NodeAgent:
                     if msg is None:
                         raise ConnectionError("peer closed")
                     data = msg.get("data")
-                    if data is not None:
-                        self.metrics.peer_transfers.labels("in_bytes").inc(len(data))
                     return data if isinstance(data, bytes) else None
                 except (OSError, asyncio.TimeoutError, ConnectionError):
                     self._peer_conns.pop(node_id, None)

@@ -153,10 +153,20 @@ class TieredStore:
     async def _make_room(self, slot: TierSlot, nbytes: int) -> None:
         """Evict from ``slot`` until ``nbytes`` fit. Caller holds the tier's lock."""
         tier = slot.tier
+        leased = getattr(tier, "is_leased", None)
+        skipped = 0
         while not tier.has_room(nbytes):
             victim = slot.eviction.victim()
             if victim is None:
                 raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
+            if leased is not None and leased(victim):
+                # Evicting a chunk a reader holds frees nothing until it is released:
+                # pass over it (it counts as used) and try the next one.
+                skipped += 1
+                if skipped > len(slot.eviction):
+                    raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
+                slot.eviction.on_access(victim)
+                continue
             await self._evict(slot, victim, reason="capacity")
 
     async def _evict(self, slot: TierSlot, key: str, reason: str) -> None:
@@ -194,10 +204,11 @@ class TieredStore:
         t0 = time.perf_counter()
         async with self._locks[name]:
             try:
-                if not demotion and slot.tier.size_of(key) is not None:
-                    # Replacing: the old copy frees its own room and must not be demoted.
-                    slot.eviction.on_remove(key)
-                    await slot.tier.delete(key)
+                if slot.tier.size_of(key) is not None:
+                    # Content-addressed: the tier already holds these bytes. Rewriting
+                    # would risk the copy (and a pinned one) for nothing.
+                    slot.eviction.on_access(key)
+                    return True
                 await self._make_room(slot, n)
                 await slot.tier.put(key, data)
             except TierFull as e:
@@ -430,9 +441,13 @@ class TieredStore:
         if self.peer_fetch is None or self.directory is None:
             return None
         (locs,) = await self.directory.locate([key])
+        tried: set[str] = set()  # a peer serves from all its tiers: ask each node once
         for loc in locs:
             if loc.node_id == self.node_id or loc.tier not in ("dram", "nvme"):
                 continue
+            if loc.node_id in tried:
+                continue
+            tried.add(loc.node_id)
             try:
                 raw = await self.peer_fetch(key, loc.node_id)
             except Exception as e:
@@ -543,6 +558,12 @@ class TieredStore:
             top.eviction.on_access(key)
             self.metrics.hits.labels("dram").inc()
             self.metrics.bytes_read.labels("dram").inc(got[1])
+            with contextlib.suppress(codec.ChunkError):
+                head = tier.slot_view(got[0])[: codec.HEADER_SIZE]
+                self.metrics.hit_tokens.labels("dram").inc(codec.parse_header(head)[0].num_tokens)
+            return got
+        got = await self._lease_from_nvme(top, tier, key, expect_fingerprint)
+        if got is not None:
             return got
         hit = await self.get(key, expect_fingerprint=expect_fingerprint, promote=False)
         if hit is None:
@@ -550,6 +571,55 @@ class TieredStore:
         await self._write_tier(top, key, codec.encode(hit.meta, hit.payload))
         got = tier.acquire(key)
         return got if got is not None else hit
+
+    async def _lease_from_nvme(
+        self, top: TierSlot, dram: DRAMTier, key: str, expect_fp: bytes | None
+    ) -> tuple[int, int] | None:
+        """Promote an NVMe chunk by reading the file straight into a DRAM slot and
+        verifying it there: one copy instead of read + encode + copy."""
+        slot = self.by_name.get("nvme")
+        get_into = getattr(slot.tier, "get_into", None) if slot is not None else None
+        size = slot.tier.size_of(key) if slot is not None else None
+        if slot is None or get_into is None or size is None or not dram.fits(size):
+            return None
+        t0 = time.perf_counter()
+        s = await self.reserve_dram(size)
+        if s is None:
+            return None
+        try:
+            n = await get_into(key, dram.slot_view(s)[:size])
+            if n is None:
+                raise TierError("vanished")
+            codec.decode(dram.slot_view(s)[:n], expect_key=key, expect_fingerprint=expect_fp)
+        except codec.ChunkMismatch as e:
+            dram.abort(s)
+            log.warning("nvme chunk %s unusable here: %s", key, e)
+            self.metrics.verification_failures.labels("nvme").inc()
+            return None
+        except (codec.ChunkError, TierError, ValueError) as e:
+            dram.abort(s)
+            if isinstance(e, codec.ChunkError):
+                log.warning("nvme chunk %s failed verification (%s): removed", key, e)
+                self.metrics.verification_failures.labels("nvme").inc()
+                await self.delete(key, tiers=["nvme"])
+            return None
+        slot.eviction.on_access(key)
+        slot.admission.on_access(key)
+        self.metrics.hits.labels("nvme").inc()
+        self.metrics.bytes_read.labels("nvme").inc(n)
+        with contextlib.suppress(codec.ChunkError):
+            head = dram.slot_view(s)[: codec.HEADER_SIZE]
+            self.metrics.hit_tokens.labels("nvme").inc(codec.parse_header(head)[0].num_tokens)
+        self.metrics.load_seconds.labels("nvme").observe(time.perf_counter() - t0)
+        async with self._locks[top.name]:
+            if dram.size_of(key) is None:
+                dram.commit(key, s, n)
+                top.eviction.on_remove(key)
+                self._track(top, key, n)
+            else:
+                dram.abort(s)  # promoted meanwhile by another reader
+        await self._publish(top.name, [key])
+        return dram.acquire(key)
 
     def release(self, slot: int) -> None:
         tier = self._dram().tier

@@ -200,6 +200,10 @@ class DRAMTier(Tier):
         s.leases += 1
         return slot, s.length
 
+    def is_leased(self, key: str) -> bool:
+        slot = self._index.get(key)
+        return slot is not None and self._slots[slot].leases > 0
+
     def release(self, slot: int) -> None:
         s = self._slots[slot]
         if s.leases <= 0:

@@ -1,0 +1,436 @@
+"""Decode-side TTFT of a cache-mediated handoff on vLLM CPU, against recompute and peers.
+
+One request, ``max_tokens=1``, vLLM's prefix cache off, after an untimed warm-up on an
+unrelated prompt. Every server runs with the same worker thread count
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``; vLLM otherwise reserves one more core whenever a
+connector is configured). Cases:
+
+- recompute: no connector;
+- ours via DRAM (the prefill's node agent), via NVMe (same agent restarted with an empty
+  DRAM pool; page cache warm, and cold when the machine lets us drop it), via a peer
+  agent (another node's agent over TCP), via S3 (a node with only S3 in common);
+- vLLM's ExampleConnector doing the same handoff (files in page cache);
+- LMCache MP (L1 hit; ``fs`` L2 hit after a server restart) when lmcache is installed.
+
+``--quick --json`` prints one JSON object as its last line, with ``"ratios"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiered_cache.vllm_launch import (
+    REPO,
+    VllmServer,
+    free_port,
+    kv_transfer_config,
+    server_env,
+)
+
+PROMPT_TOKENS = 2050
+THREADS_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def say(msg: str) -> None:
+    print(f"[e2e_ttft] {msg}", file=sys.stderr, flush=True)
+
+
+def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    fh = open(log, "ab")  # noqa: SIM115 - owned by the child
+    p = subprocess.Popen(
+        cmd,
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        cwd=str(REPO),
+        env=server_env(env),
+        start_new_session=True,
+    )
+    fh.close()
+    return p
+
+
+def stop(p: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM) -> None:
+    if p is None or p.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, sig)
+    try:
+        p.wait(20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
+class Agent:
+    """A node agent process from a YAML config; ``restart(fresh_dram=True)`` empties DRAM."""
+
+    def __init__(self, name: str, work: Path, cfg: dict[str, Any]) -> None:
+        self.name, self.work, self.cfg = name, work, cfg
+        self.path = work / f"{name}.yaml"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def sock(self) -> str:
+        return str(self.cfg["agent"]["socket"])
+
+    def start(self, fresh_dram: bool = True) -> Agent:
+        from tiered_cache.agent import wait_for_socket
+
+        if fresh_dram:
+            self.cfg.setdefault("dram", {})["shm_name"] = f"tcb_{uuid.uuid4().hex[:10]}"
+        self.path.write_text(yaml.safe_dump(self.cfg))
+        self.proc = spawn(
+            [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(self.path)],
+            self.work / f"{self.name}.log",
+            env=S3_ENV,
+        )
+        wait_for_socket(self.sock, 60)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        stop(self.proc, sig)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start(fresh_dram=True)
+
+    def stats(self) -> dict[str, float]:
+        from tiered_cache.client import AgentClient
+
+        c = AgentClient(self.sock, attach_pool=False)
+        try:
+            return dict(c.admin("stats")["metrics"])
+        finally:
+            c.close()
+
+    def flush(self) -> None:
+        from tiered_cache.client import AgentClient
+
+        c = AgentClient(self.sock, attach_pool=False)
+        try:
+            c.admin("flush")
+        finally:
+            c.close()
+
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    **THREADS_ENV,
+}
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(server: VllmServer, prompt: list[int]) -> tuple[float, int]:
+    t = time.perf_counter()
+    r = server.completion(prompt, max_tokens=1, logprobs=0, timeout=600)
+    dt = time.perf_counter() - t
+    r.raise_for_status()
+    usage = r.json().get("usage") or {}
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return dt, cached
+
+
+def measure(
+    server: VllmServer, prompt: list[int], runs: int, before: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    times, cached = [], []
+    for _ in range(runs):
+        if before is not None:
+            before()
+        dt, c = timed(server, prompt)
+        times.append(dt)
+        cached.append(c)
+    return {"ttft_s": statistics.median(times), "runs_s": times, "cached_tokens": cached}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one timed run per case")
+    ap.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--workdir", default=None)
+    a = ap.parse_args()
+    runs = 1 if a.quick else a.runs
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="tc-e2e-", dir="/var/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    servers: list[VllmServer] = []
+    agents: list[Agent] = []
+    try:
+        res = run(work, runs, procs, servers, agents)
+    finally:
+        for s in servers:
+            s.stop()
+        for ag in agents:
+            ag.stop(signal.SIGKILL)
+        for p in procs:
+            stop(p)
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(json.dumps(res, indent=1))
+
+
+def run(
+    work: Path,
+    runs: int,
+    procs: list[subprocess.Popen[bytes]],
+    servers: list[VllmServer],
+    agents: list[Agent],
+) -> dict[str, Any]:
+    model = REPO / ".models" / "bench-bf16"
+    say(f"model: {model} (hidden 1024, 12 layers, 4 KV heads, bf16)")
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "make_tiny_model.py"),
+            "--out",
+            str(model),
+            "--preset",
+            "bench",
+            "--dtype",
+            "bfloat16",
+        ],
+        check=True,
+        env=server_env(),
+        stdout=subprocess.DEVNULL,
+    )
+    rng = np.random.default_rng(7)
+    prompt = [int(x) for x in rng.integers(10, 500, PROMPT_TOKENS)]
+
+    redis_port, s3_port = free_port(), free_port()
+    procs.append(
+        spawn(
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            work / "redis.log",
+        )
+    )
+    procs.append(
+        spawn(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
+            work / "moto.log",
+        )
+    )
+    s3_url = f"http://127.0.0.1:{s3_port}"
+    import boto3
+    import httpx
+
+    os.environ.update(S3_ENV)
+    for _ in range(100):
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(s3_url, timeout=1)
+            break
+        time.sleep(0.2)
+    boto3.client("s3", endpoint_url=s3_url).create_bucket(Bucket="bench")
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+
+    def agent_cfg(node: str, *, nvme: bool, s3: bool) -> dict[str, Any]:
+        c: dict[str, Any] = {
+            "node_id": node,
+            "redis_url": redis_url,
+            "chunk_size": 256,
+            "dram": {"capacity": "512MiB", "slot_bytes": "4MiB"},
+            "agent": {"socket": str(work / f"{node}.sock"), "peer_port": free_port()},
+        }
+        if nvme:
+            c["nvme"] = {
+                "enabled": True,
+                "path": str(work / f"nvme-{node}"),
+                "capacity": "4GiB",
+                "write_mode": "write_through",
+            }
+        if s3:
+            c["s3"] = {
+                "enabled": True,
+                "url": "s3://bench/kv",
+                "endpoint_url": s3_url,
+                "region": "us-east-1",
+                "write_mode": "write_through",
+            }
+        return c
+
+    a = Agent("node-a", work, agent_cfg("node-a", nvme=True, s3=True))
+    agents.append(a.start())
+    # The decode servers' connectors connect at start-up, so both agents run first.
+    b = Agent("node-b", work, agent_cfg("node-b", nvme=False, s3=False))
+    agents.append(b.start())
+
+    def srv(
+        name: str,
+        kv: dict[str, Any] | None,
+        env: dict[str, str] | None = None,
+    ) -> VllmServer:
+        s = VllmServer(
+            name,
+            str(model),
+            free_port(),
+            work / f"{name}.log",
+            kv_config=kv,
+            env={**S3_ENV, **(env or {})},
+            dtype="bfloat16",
+            max_model_len=4096,
+            served_name="bench",
+            max_num_seqs=1,
+        )
+        servers.append(s)
+        return s
+
+    store_a = {"config_file": str(a.path), "embedded": "never", "agent_socket": a.sock}
+    b_sock = b.sock
+    store_b = {"config_file": str(a.path), "embedded": "never", "agent_socket": b_sock}
+    example_dir = work / "example"
+    rec = srv("recompute", None)
+    pre = srv("prefill", kv_transfer_config("kv_producer", store_a))
+    dec_a = srv(
+        "decode-a",
+        kv_transfer_config("kv_consumer", store_a, policy="recompute", wait_for_prefill=False),
+    )
+    dec_b = srv(
+        "decode-b",
+        kv_transfer_config("kv_consumer", store_b, policy="recompute", wait_for_prefill=False),
+    )
+    ex = srv(
+        "example",
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(example_dir)},
+        },
+    )
+    say("starting 5 vLLM servers (recompute, prefill, decode x2, ExampleConnector)")
+    t0 = time.monotonic()
+    for s in servers:
+        s.start()
+    for s in servers:
+        s.wait_ready(900)
+    say(f"servers up in {time.monotonic() - t0:.0f}s; warming up")
+    warm = [int(x) for x in rng.integers(10, 500, 64)]
+    for s in servers:
+        s.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
+
+    out: dict[str, Any] = {
+        "model": "random Llama: hidden 1024, 12 layers, 16 heads, 4 KV heads, bf16",
+        "prompt_tokens": PROMPT_TOKENS,
+        "worker_threads": "VLLM_CPU_NUM_OF_RESERVED_CPU=1 on "
+        f"{os.cpu_count()} cores -> {max(1, (os.cpu_count() or 2) - 1)} worker thread(s)",
+        "cases": {},
+    }
+    cases = out["cases"]
+    say("recompute")
+    cases["recompute"] = measure(rec, prompt, runs)
+    say("prefill (stores the prompt's chunks through node-a)")
+    cases["prefill_store"] = measure(pre, prompt, 1)
+    a.flush()
+
+    say("DRAM hit (decode on node-a's agent)")
+    cases["dram_hit"] = measure(dec_a, prompt, runs)
+    say("NVMe hit, page cache warm (node-a restarted with an empty DRAM pool)")
+    cases["nvme_hit_warm"] = measure(dec_a, prompt, runs, before=a.restart)
+
+    def cold() -> None:
+        a.restart()
+        if not drop_page_cache():
+            raise PermissionError
+
+    try:
+        cases["nvme_hit_cold"] = measure(dec_a, prompt, runs, before=cold)
+        cases["nvme_hit_cold"]["page_cache"] = "dropped (echo 3 > drop_caches)"
+    except PermissionError:
+        cases["nvme_hit_cold"] = {"skipped": "cannot drop the page cache here (read-only /proc)"}
+
+    say("peer hit (decode on node-b pulls from node-a over TCP)")
+    cases["peer_hit"] = measure(dec_b, prompt, runs, before=b.restart)
+    cases["peer_hit"]["node_b_hits"] = {
+        k: v for k, v in b.stats().items() if k.startswith("tiered_cache_hits_total")
+    }
+    b.stop()
+    a.stop(signal.SIGKILL)  # the peer is gone: only S3 is in common now
+    c = Agent("node-c", work, agent_cfg("node-c", nvme=False, s3=True))
+    c.cfg["agent"]["socket"] = b_sock
+    agents.append(c.start())
+    say("S3 hit (node-c has only S3 in common)")
+    cases["s3_hit"] = measure(dec_b, prompt, runs, before=c.restart)
+    cases["s3_hit"]["node_c_hits"] = {
+        k: v for k, v in c.stats().items() if k.startswith("tiered_cache_hits_total")
+    }
+
+    say("ExampleConnector: store, then hits from its files (page cache warm)")
+    cases["example_store"] = measure(ex, prompt, 1)
+    cases["example_hit"] = measure(ex, prompt, runs)
+
+    cases["lmcache_mp_l1_hit"] = {"skipped": "lmcache is not installed in this environment"}
+    cases["lmcache_mp_l2_fs_hit"] = {"skipped": "lmcache is not installed in this environment"}
+    with contextlib.suppress(ImportError):
+        import lmcache  # noqa: F401
+
+        cases["lmcache_mp_l1_hit"] = {"skipped": "LMCache MP case not implemented yet"}
+        cases["lmcache_mp_l2_fs_hit"] = {"skipped": "LMCache MP case not implemented yet"}
+
+    def t(name: str) -> float | None:
+        v = cases.get(name, {}).get("ttft_s")
+        return float(v) if v is not None else None
+
+    r = t("recompute")
+    peers = [x for x in (t("example_hit"), t("lmcache_mp_l1_hit")) if x]
+    best_peer = min(peers) if peers else None
+
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return None if x is None or not y else x / y
+
+    out["ratios"] = {
+        "dram_hit_vs_recompute": ratio(t("dram_hit"), r),
+        "nvme_hit_vs_recompute": ratio(t("nvme_hit_warm"), r),
+        "peer_hit_vs_recompute": ratio(t("peer_hit"), r),
+        "s3_hit_vs_recompute": ratio(t("s3_hit"), r),
+        "dram_hit_vs_best_peer": ratio(t("dram_hit"), best_peer),
+        "nvme_hit_vs_lmcache_l2": ratio(t("nvme_hit_warm"), t("lmcache_mp_l2_fs_hit")),
+    }
+    out["best_peer"] = "ExampleConnector" if best_peer == t("example_hit") else "LMCache MP L1"
+    return out
+
+
+if __name__ == "__main__":
+    main()
