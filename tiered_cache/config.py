@@ -203,7 +203,8 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -
         p = Path(source)
         where = str(p)
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            # ${VAR} references are expanded from the environment (secrets stay out of files).
+            data = yaml.safe_load(os.path.expandvars(p.read_text())) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {p}") from None
         except yaml.YAMLError as e:

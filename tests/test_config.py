@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiered_cache.config import ConfigError, load_config, parse_duration, parse_size
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_PASSWORD", "s3cret")
+    cfg = load_config(path)
+    assert cfg.dram.enabled or cfg.nvme.enabled or cfg.s3.enabled
+    if cfg.redis_url:
+        assert "${" not in cfg.redis_url
+
+
+def test_sizes_and_durations() -> None:
+    assert parse_size("4GiB") == 4 * 2**30
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size(512) == 512
+    assert parse_duration("24h") == 86400
+    assert parse_duration("none") is None
+    for bad in ("lots", "-1", True):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    with pytest.raises(ValueError):
+        parse_duration("soon")
+
+
+@pytest.mark.parametrize(
+    ("data", "msg"),
+    [
+        ({"dram": {"capacity": "lots"}}, "dram.capacity"),
+        ({"nvme": {"colour": "blue"}}, "nvme.colour: unknown key"),
+        ({"dram": {"eviction": "random"}}, "unknown eviction policy 'random'; valid:"),
+        ({"redis_url": "http://x"}, "redis_url must start with"),
+        ({"s3": {"enabled": True, "url": "bucket"}}, "s3.url must look like"),
+        ({"dram": {"enabled": False}}, "enable at least one tier"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
+def test_bad_config_names_the_key(data: dict, msg: str) -> None:
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(data)
+    assert msg in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dram: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
