@@ -40,6 +40,7 @@ anything else is reported through ``get_block_ids_with_load_errors`` so vLLM rec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import threading
@@ -614,7 +615,11 @@ class TieredCacheConnector(KVConnectorBase_V1):
                     "prompt_tokens": len(st.prompt),
                     "chunk_size": self._chunk_size,
                     "keys": st.keys[: st.next_save],
-                }
+                },
+                # For a cache-aware router: the fingerprint the chunk keys chain from, and
+                # the node whose cache holds them.
+                "tc_fingerprint": dataclasses.asdict(self._fp),
+                "tc_node_id": getattr(self._store, "node_id", None),
             }
         return False, params
 
