@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
+
 from tiered_cache import codec
 from tiered_cache.api import PayloadLike
 from tiered_cache.codec import ChunkMeta
@@ -217,7 +219,11 @@ class AgentClient:
                     continue
                 dst = self._slot(slot, sizes[i])
                 fut = _HASH_POOL.submit(codec.checksum, payload)  # overlaps the copy
-                dst[codec.HEADER_SIZE :] = payload
+                # numpy's copy releases the GIL, so the checksum thread really overlaps it.
+                np.copyto(
+                    np.frombuffer(dst[codec.HEADER_SIZE :], dtype=np.uint8),
+                    np.frombuffer(payload, dtype=np.uint8),
+                )
                 dst[: codec.HEADER_SIZE] = codec.pack_header(
                     meta, payload, payload_checksum=fut.result()
                 )
