@@ -13,9 +13,10 @@ from policies.lru import LRU
 from policies.prefix_aware import PrefixAware
 from policies.s3fifo import S3FIFO
 from policies.sieve import SIEVE
+from policies.wtinylfu import WTinyLFU
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRU, LFU, ARC, S3FIFO, SIEVE, PrefixAware, CostAware)
+    cls.name: cls for cls in (LRU, LFU, ARC, S3FIFO, SIEVE, PrefixAware, CostAware, WTinyLFU)
 }
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     cls.name: cls for cls in (AlwaysAdmit, FrequencyThreshold, TinyLFU)
@@ -56,6 +57,7 @@ __all__ = [
     "FrequencyThreshold",
     "PrefixAware",
     "TinyLFU",
+    "WTinyLFU",
     "make_admission",
     "make_eviction",
 ]

@@ -115,7 +115,7 @@ class Tier:
 
 
 def test_registry_names() -> None:
-    assert set(EVICTION_POLICIES) == {"lru", "lfu", "arc", "s3fifo", "sieve", "prefix", "cost"}
+    assert set(EVICTION_POLICIES) == {"lru", "lfu", "arc", "s3fifo", "sieve", "prefix", "cost", "wtinylfu"}
     assert set(ADMISSION_POLICIES) == {"always", "frequency", "tinylfu"}
     for name in EVICTION_POLICIES:
         assert make_eviction(name.upper()).name == name

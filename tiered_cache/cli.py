@@ -1086,6 +1086,9 @@ def router(
     help="Bytes per 512-token block (default: Llama-3.1-8B bf16 KV).",
 )
 @click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
+@click.option(
+    "--demand-belady", is_flag=True, help="Also demand-paging Belady (with its write volume)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (last line).")
 @friendly
 def simulate(
@@ -1095,6 +1098,7 @@ def simulate(
     admission: str,
     block_bytes: str,
     limit: int | None,
+    demand_belady: bool,
     as_json: bool,
 ) -> None:
     """Replay a Mooncake-format TRACE through the real hierarchy and policies."""
@@ -1108,7 +1112,7 @@ def simulate(
     policies = sim.parse_policies(policy)
     sim.check_admission(admission)
     records = sim.load_trace(trace, limit)
-    rep = sim.run(records, tiers, policies, admission, nbytes)
+    rep = sim.run(records, tiers, policies, admission, nbytes, demand_belady=demand_belady)
     click.echo(json.dumps(rep) if as_json else sim.format_report(rep))
 
 

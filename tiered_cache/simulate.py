@@ -291,6 +291,8 @@ def parse_policies(spec: str) -> list[str]:
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[Record]:
     """Read a Mooncake-format JSONL trace (``hash_ids`` and ``input_length`` needed)."""
+    if limit is not None and limit < 1:
+        raise SimError("--limit must be at least 1")
     p = Path(path)
     if not p.is_file():
         raise SimError(f"trace not found: {path}")
@@ -602,11 +604,13 @@ def run(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     block_tokens: int = BLOCK_TOKENS,
     capacity_hints: bool = False,
+    demand_belady: bool = False,
 ) -> dict[str, Any]:
-    """Every policy plus the references, as the JSON report the CLI prints."""
+    """Every policy plus the references, as the JSON report the CLI prints.
+    ``demand_belady`` adds demand-paging MIN (another O(n log n) pass), the only
+    reference with a write volume."""
     total = sum(t.capacity_blocks for t in tiers)
     ref = belady(records, total, True, block_bytes, block_tokens)
-    ref_demand = belady(records, total, False, block_bytes, block_tokens)
     unb = unbounded(records, block_bytes, block_tokens)
     out: dict[str, Any] = {"policies": {}}
     for p in policies:
@@ -619,19 +623,29 @@ def run(
     out.update(
         {
             "belady_prefix_hit_ratio": ref.prefix_hit_ratio,
-            "belady_demand_prefix_hit_ratio": ref_demand.prefix_hit_ratio,
             "unbounded_prefix_hit_ratio": unb.prefix_hit_ratio,
             "belady": ref.to_dict(),
-            "belady_demand": ref_demand.to_dict(),
             "unbounded": unb.to_dict(),
             "requests": len(records),
             "blocks": ref.blocks,
             "capacity_blocks": total,
-            "tiers": [{"name": t.name, "capacity_blocks": t.capacity_blocks} for t in tiers],
+            "tiers": [
+                {
+                    "name": t.name,
+                    "capacity_blocks": t.capacity_blocks,
+                    "eviction": t.eviction,  # None: the run's policy
+                    "admission": t.admission or admission,
+                }
+                for t in tiers
+            ],
             "block_bytes": block_bytes,
             "admission": admission,
         }
     )
+    if demand_belady:
+        dem = belady(records, total, False, block_bytes, block_tokens)
+        out["belady_demand_prefix_hit_ratio"] = dem.prefix_hit_ratio
+        out["belady_demand"] = dem.to_dict()
     return out
 
 
@@ -642,7 +656,15 @@ def _gib(n: int) -> str:
 def format_report(rep: dict[str, Any]) -> str:
     """Human-readable table of a ``run`` report."""
     tiers = [t["name"] for t in rep["tiers"]]
-    caps = ", ".join(f"{t['name']}={t['capacity_blocks']}" for t in rep["tiers"])
+    caps = ", ".join(
+        f"{t['name']}={t['capacity_blocks']}"
+        + (
+            f" ({t['eviction'] or '*'}/{t['admission']})"
+            if t["eviction"] or t["admission"] != rep["admission"]
+            else ""
+        )
+        for t in rep["tiers"]
+    )
     lines = [
         f"{rep['requests']} requests, {rep['blocks']} blocks; capacity {caps} blocks "
         f"({rep['block_bytes'] / 2**20:g} MiB each)",
@@ -661,9 +683,15 @@ def format_report(rep: dict[str, Any]) -> str:
         row += "".join(f"{_gib(d['tiers'][t]['bytes_written']):>18}" for t in tiers)
         lines.append(row)
     for ref in ("belady", "belady_demand", "unbounded"):
+        if ref not in rep:
+            continue
         d = rep[ref]
         row = f"{ref:<14}{d['prefix_hit_ratio']:>11.3f}{'':>9}{d['prefill_tokens_saved']:>12,}"
-        row += f"   (one tier of {rep['capacity_blocks'] if ref != 'unbounded' else 'unbounded'}"
+        row += (
+            "   (unbounded"
+            if ref == "unbounded"
+            else f"   (one tier of {rep['capacity_blocks']} blocks"
+        )
         if d["bytes_written"] is not None:
             row += f", {_gib(d['bytes_written'])} written"
         row += ")"
