@@ -29,6 +29,7 @@ from tiered_cache.ipc import ConnectionLost, IPCError, call_sync
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_KEPT_MAPPINGS: list[Any] = []
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
 # Called with (index in request, meta, payload view) while the slot is leased: copy out now.
@@ -247,7 +248,9 @@ class AgentClient:
                 if self._shm is not None:
                     self._shm.close()
             except BufferError:
-                pass  # a caller still holds a view; the mapping goes with the process
+                # A caller still holds a view: keep the mapping referenced for the life of
+                # the process (unmapping under a live view would crash; GC would complain).
+                _KEPT_MAPPINGS.append(self._shm)
             self._buf = None
             self._shm = None
 
