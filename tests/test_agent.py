@@ -313,3 +313,66 @@ def test_client_survives_agent_restart(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_every_node_honours_a_pin_within_seconds(tmp_path: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from tiered_cache.directory import Pin, RedisDirectory
+
+    socks, procs = [], []
+    for name in ("pa", "pb"):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = write_cfg(
+            d,
+            redis_url=redis_server.url,
+            agent={"socket": str(d / "a.sock"), "pin_sync_interval_s": 0.5},
+        )
+        procs.append(start_agent(cfg))
+        socks.append(str(d / "a.sock"))
+    keys = chunk_keys(np.arange(32 * 2), FP)
+    clients = [AgentClient(s) for s in socks]
+    for c in clients:
+        c.put_many([(meta(k), payload(i)) for i, k in enumerate(keys)])
+
+    def pinned_everywhere() -> list[bool]:
+        out = []
+        for c in clients:
+            rows = [r for r in c.admin("ls", prefix=keys[0])["entries"] if r["tier"] == "dram"]
+            assert len(rows) == 1  # resident in this node's DRAM
+            out.append(bool(rows[0]["pinned"]))
+        return out
+
+    def wait_until(want: bool) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            if all(x == want for x in pinned_everywhere()):
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        raise AssertionError(f"pin state {want} not reached on every node: {pinned_everywhere()}")
+
+    async def edit(add: bool) -> None:
+        d = RedisDirectory.from_url(redis_server.url)
+        try:
+            if add:
+                await d.add_pin(
+                    Pin(id="abcdef123456", keys=[keys[0]], tiers=["dram"], fingerprint=FP.hex)
+                )
+            else:
+                await d.remove_pin("abcdef123456")
+        finally:
+            await d.close()
+
+    try:
+        assert pinned_everywhere() == [False, False]
+        asyncio.run(edit(True))
+        assert wait_until(True) < 3.0
+        asyncio.run(edit(False))
+        assert wait_until(False) < 3.0
+    finally:
+        for c in clients:
+            c.close()
+        for p in procs:
+            p.kill()
+            p.wait()
