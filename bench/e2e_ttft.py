@@ -44,6 +44,8 @@ from tiered_cache.vllm_launch import (
     free_port,
     kv_transfer_config,
     server_env,
+    spawn,
+    stop_group,
 )
 
 PROMPT_TOKENS = 2050
@@ -52,33 +54,6 @@ THREADS_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 def say(msg: str) -> None:
     print(f"[e2e_ttft] {msg}", file=sys.stderr, flush=True)
-
-
-def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    fh = open(log, "ab")  # noqa: SIM115 - owned by the child
-    p = subprocess.Popen(
-        cmd,
-        stdout=fh,
-        stderr=subprocess.STDOUT,
-        cwd=str(REPO),
-        env=server_env(env),
-        start_new_session=True,
-    )
-    fh.close()
-    return p
-
-
-def stop(p: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM) -> None:
-    if p is None or p.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, sig)
-    try:
-        p.wait(20)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait(10)
 
 
 class Agent:
@@ -102,13 +77,13 @@ class Agent:
         self.proc = spawn(
             [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(self.path)],
             self.work / f"{self.name}.log",
-            env=S3_ENV,
+            extra_env=S3_ENV,
         )
         wait_for_socket(self.sock, 60)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        stop(self.proc, sig)
+        stop_group(self.proc, sig)
         self.proc = None
 
     def restart(self) -> None:
@@ -195,7 +170,7 @@ def main() -> None:
         for ag in agents:
             ag.stop(signal.SIGKILL)
         for p in procs:
-            stop(p)
+            stop_group(p)
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
     if a.json:
@@ -367,6 +342,7 @@ def run(
 
     say("DRAM hit (decode on node-a's agent)")
     cases["dram_hit"] = measure(dec_a, prompt, runs)
+
     def fresh(agent: Agent, server: VllmServer) -> Callable[[], None]:
         def go() -> None:
             agent.restart()  # empty DRAM pool

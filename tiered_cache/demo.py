@@ -28,7 +28,15 @@ from typing import Any
 import httpx
 import yaml
 
-from tiered_cache.vllm_launch import REPO, VllmServer, free_port, kv_transfer_config, server_env
+from tiered_cache.vllm_launch import (
+    REPO,
+    VllmServer,
+    free_port,
+    kv_transfer_config,
+    server_env,
+    spawn,
+    stop_group,
+)
 
 TIERS = ("dram", "nvme", "peer", "s3")
 
@@ -53,35 +61,8 @@ class Procs:
                 if isinstance(obj, VllmServer):
                     obj.stop()
                 else:
-                    _stop_group(obj)
+                    stop_group(obj)
         self.items.clear()
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-
-def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    fh = open(log, "wb")  # noqa: SIM115 - owned by the child
-    p = subprocess.Popen(
-        cmd,
-        stdout=fh,
-        stderr=subprocess.STDOUT,
-        env=env or server_env(),
-        cwd=str(REPO),
-        start_new_session=True,
-    )
-    fh.close()
-    return p
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, t: float) -> None:
@@ -107,7 +88,7 @@ def _redis(procs: Procs, work: Path) -> str:
     port = free_port()
     procs.add(
         "redis",
-        _spawn(
+        spawn(
             [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             work / "redis.log",
         ),
@@ -188,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     a = ap.parse_args(argv)
     work = Path(a.workdir)
-    if work.exists():
+    if work.exists():  # a fresh run: no chunks or logs from the last one
         shutil.rmtree(work / "nvme", ignore_errors=True)
+        for f in work.glob("*.log"):
+            f.unlink()
     work.mkdir(parents=True, exist_ok=True)
     procs = Procs()
 
@@ -232,7 +215,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     s3_port = free_port()
     moto = procs.add(
         "moto",
-        _spawn(
+        spawn(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
             work / "moto.log",
         ),
@@ -282,10 +265,10 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     )
     agent = procs.add(
         "agent",
-        _spawn(
+        spawn(
             [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg_path)],
             work / "agent.log",
-            env=server_env(env_s3),
+            extra_env=env_s3,
         ),
     )
     from tiered_cache.agent import wait_for_socket
@@ -347,7 +330,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     say(f"[5/6] router on :{rport} (cache-aware: tokenizes, looks the prompt up in the cache)")
     router = procs.add(
         "router",
-        _spawn(
+        spawn(
             [
                 sys.executable,
                 "-m",
@@ -363,7 +346,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
                 str(cfg_path),
             ],
             work / "router.log",
-            env=server_env(env_s3),
+            extra_env=env_s3,
         ),
     )
     rurl = f"http://127.0.0.1:{rport}"

@@ -260,3 +260,35 @@ def start_servers(servers: Sequence[VllmServer], timeout: float = 300.0) -> None
         for s in servers:
             s.stop()
         raise
+
+
+def spawn(
+    cmd: list[str], log: Path, extra_env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a helper process (agent, router, moto, redis) in its own process group,
+    appending its output to ``log``."""
+    fh = open(log, "ab")  # noqa: SIM115 - owned by the child
+    p = subprocess.Popen(
+        cmd,
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        cwd=str(REPO),
+        env=server_env(extra_env),
+        start_new_session=True,
+    )
+    fh.close()
+    return p
+
+
+def stop_group(p: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM) -> None:
+    """Signal a process group started by ``spawn``; SIGKILL it if it lingers."""
+    if p is None or p.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, sig)
+    try:
+        p.wait(20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
