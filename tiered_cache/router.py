@@ -61,6 +61,7 @@ class RouterStats:
     requests: int = 0
     prefill_skipped: int = 0
     errors: int = 0
+    retries: int = 0  # requests moved to another backend after one failed
     per_backend: dict[str, int] = field(default_factory=dict)
 
 
@@ -85,7 +86,7 @@ class Router:
         self.health_interval_s = health_interval_s
         self.fingerprints: dict[str, dict[str, Any]] = {}  # model -> fingerprint params
         self.stats = RouterStats()
-        self._rr = itertools.count()
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
 
@@ -164,6 +165,7 @@ class Router:
                 "requests": self.stats.requests,
                 "prefill_skipped": self.stats.prefill_skipped,
                 "errors": self.stats.errors,
+                "retries": self.stats.retries,
                 "per_backend": self.stats.per_backend,
                 "backends": [
                     {
@@ -184,12 +186,12 @@ class Router:
         live = [b for b in self.decode if b.healthy]
         if not live:
             return None
-        return min(live, key=lambda b: (b.inflight, next(self._rr) % len(live)))
+        return self._least_loaded(live)
 
     async def _prompt_keys(self, path: str, body: dict[str, Any]) -> list[str] | None:
         """Chunk keys of the prompt, when the model's fingerprint is known."""
         fpp = self.fingerprints.get(str(body.get("model")))
-        dec = self._pick_decode()
+        dec = next((b for b in self.decode if b.healthy), None)  # any one can tokenize
         if fpp is None or dec is None or self.cache is None:
             return None
         req: dict[str, Any] = {"model": body.get("model")}
@@ -251,7 +253,7 @@ class Router:
                     return best, False
         if not live:
             return None, False
-        return min(live, key=lambda b: (b.inflight, next(self._rr) % len(live))), False
+        return self._least_loaded(live), False
 
     # ---------------------------------------------------------------- proxy
 
@@ -271,24 +273,62 @@ class Router:
         if skip:
             self.stats.prefill_skipped += 1
         else:
+            # A prefill server that cannot be reached is taken out of rotation and the
+            # request goes to the next live one: nothing was sent to the client yet.
+            tried: set[str] = set()
             if pre is None:
                 self.stats.errors += 1
                 return _error(503, "no healthy prefill server")
-            got = await self._prefill(pre, path, body, rid)
+            while True:
+                tried.add(pre.url)
+                got = await self._prefill(pre, path, body, rid)
+                if not isinstance(got, _Retry):
+                    break
+                self.stats.retries += 1
+                nxt = self._next_live(self.prefill, tried)
+                if nxt is None:
+                    self.stats.errors += 1
+                    return got.error
+                pre = nxt
             if isinstance(got, web.Response):
                 return got
             kv_params = got
-        dec = self._pick_decode()
+        # The KV sits in the cache tiers, not in one decode server: any decode server can
+        # pull it, so a dead one is retried on another.
+        tried = set()
+        dec = self._next_live(self.decode, tried)
         if dec is None:
             self.stats.errors += 1
             return _error(503, "no healthy decode server")
-        dbody = dict(body)
-        dbody["kv_transfer_params"] = kv_params
-        return await self._decode(dec, path, dbody, rid, request)
+        while True:
+            tried.add(dec.url)
+            dbody = dict(body)
+            dbody["kv_transfer_params"] = kv_params
+            out = await self._decode(dec, path, dbody, rid, request)
+            if not isinstance(out, _Retry):
+                return out
+            self.stats.retries += 1
+            nxt = self._next_live(self.decode, tried)
+            if nxt is None:
+                self.stats.errors += 1
+                return out.error
+            dec = nxt
+
+    def _least_loaded(self, live: list[Backend]) -> Backend:
+        """Fewest in-flight requests; ties rotate round-robin."""
+        r = next(self._rr[live[0].role])  # one counter per pool, one step per pick
+        n = len(live)
+        return live[min(range(n), key=lambda i: (live[i].inflight, (i - r) % n))]
+
+    def _next_live(self, pool: list[Backend], tried: set[str]) -> Backend | None:
+        live = [b for b in pool if b.healthy and b.url not in tried]
+        if not live:
+            return None
+        return self._least_loaded(live)
 
     async def _prefill(
         self, b: Backend, path: str, body: dict[str, Any], rid: str
-    ) -> dict[str, Any] | web.Response:
+    ) -> dict[str, Any] | web.Response | _Retry:
         pbody = dict(body)
         pbody.update(
             max_tokens=1,
@@ -309,9 +349,14 @@ class Router:
                 if r.status != 200:
                     if r.status >= 500:
                         self._mark_failed(b, f"HTTP {r.status}")
+                    if r.status in _RETRY_STATUS:
+                        return _Retry(_passthrough_error(r.status, data, "prefill"))
                     self.stats.errors += 1
                     return _passthrough_error(r.status, data, "prefill")
                 resp = json.loads(data)
+        except aiohttp.ClientConnectionError as e:
+            self._mark_failed(b, str(e) or type(e).__name__)
+            return _Retry(_error(502, f"prefill server {b.url} failed: {type(e).__name__}"))
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             self._mark_failed(b, str(e) or type(e).__name__)
             self.stats.errors += 1
@@ -328,8 +373,9 @@ class Router:
 
     async def _decode(
         self, b: Backend, path: str, body: dict[str, Any], rid: str, request: web.Request
-    ) -> web.StreamResponse:
+    ) -> web.StreamResponse | _Retry:
         b.inflight += 1
+        started = False  # once bytes reached the client, a retry would duplicate them
         self.stats.per_backend[b.url] = self.stats.per_backend.get(b.url, 0) + 1
         try:
             async with self.session.post(
@@ -339,6 +385,8 @@ class Router:
                     data = await r.read()
                     if r.status >= 500:
                         self._mark_failed(b, f"HTTP {r.status}")
+                    if r.status in _RETRY_STATUS:
+                        return _Retry(_passthrough_error(r.status, data, "decode"))
                     self.stats.errors += 1
                     return _passthrough_error(r.status, data, "decode")
                 if not body.get("stream"):
@@ -350,16 +398,32 @@ class Router:
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
                 )
                 await out.prepare(request)
+                started = True
                 async for chunk in r.content.iter_any():
                     await out.write(chunk)
                 await out.write_eof()
                 return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._mark_failed(b, str(e) or type(e).__name__)
+            if isinstance(e, aiohttp.ClientConnectionError) and not started:
+                return _Retry(_error(502, f"decode server {b.url} failed: {type(e).__name__}"))
             self.stats.errors += 1
+            if started:
+                return out  # mid-stream: the client sees the stream end without [DONE]
             return _error(502, f"decode server {b.url} failed: {type(e).__name__}")
         finally:
             b.inflight -= 1
+
+
+@dataclass
+class _Retry:
+    """A backend failed before answering: try the next live one, or answer ``error``."""
+
+    error: web.Response
+
+
+# Statuses that mean "this server can't take requests now", not "this request is bad".
+_RETRY_STATUS = frozenset({502, 503, 504})
 
 
 def _error(status: int, msg: str) -> web.Response:

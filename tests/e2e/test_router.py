@@ -12,7 +12,8 @@ SSE) equal the monolithic reference with the prompt's KV loaded from the cache; 
 a prompt whose chunks are all cached skips prefill; a dead decode backend is taken out of
 rotation while requests succeed on the live one; with only dead prefill backends the
 router answers a clean JSON 503, and a prefill backend that passes its health probe but
-drops the request gives a clean JSON 502.
+drops the request gives a clean JSON 502 when it is the only one; with a live one beside it,
+a prefill or decode backend that drops the request is retried on the live one.
 """
 
 from __future__ import annotations
@@ -437,6 +438,42 @@ def test_prefill_backend_failing_mid_request_gives_clean_502(pd: PD) -> None:
         assert router.proc.poll() is None
         assert "Traceback" not in router.log_text()
         print(f"[router] broken prefill: 502 {err['message']!r}")
+    finally:
+        router.stop()
+        srv.shutdown()
+        srv.server_close()
+
+
+def _broken_server() -> tuple[ThreadingHTTPServer, str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _HealthyButBroken)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_a_backend_failing_mid_request_is_retried_on_a_live_one(pd: PD, stage: str) -> None:
+    """A backend that passes health probes but drops requests: the request moves to the next
+    live backend and succeeds. For decode this is the point of a cache-mediated handoff: the
+    KV sits in the tiers, so any decode server can pull it."""
+    srv, broken = _broken_server()
+    pre = [broken, pd.prefill.url] if stage == "prefill" else [pd.prefill.url]
+    dec = [broken, pd.decode.url] if stage == "decode" else [pd.decode.url]
+    router = RouterProc(f"router-retry-{stage}", pre, dec, pd.log_dir).wait_up()
+    try:
+        ref = ref_completion(pd, 7)
+        tried_broken = False
+        for _ in range(6):  # backends are picked by load, then round-robin
+            assert router.wait_backend(broken, healthy=True)["healthy"] is True
+            got = parse(router.post("/v1/completions", completion_body(text_prompt(7))))
+            assert_same_generation(ref, got)
+            if router.stats()["per_backend"].get(broken, 0) > 0:
+                tried_broken = True
+                break
+        assert tried_broken, "the broken backend was never picked"
+        st = router.stats()
+        assert st["errors"] == 0 and st["retries"] >= 1, st
+        assert "Traceback" not in router.log_text()
+        print(f"[router] {stage} retry: retries={st['retries']} per_backend={st['per_backend']}")
     finally:
         router.stop()
         srv.shutdown()
