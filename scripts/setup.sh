@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-EXTRAS=${TC_EXTRAS:-dev,vllm}
+EXTRAS=${TC_EXTRAS:-dev,vllm,lmcache}
 stamp=.venv/.tc-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${EXTRAS//,/_}
 if [ -f "$stamp" ]; then exit 0; fi
 command -v redis-server >/dev/null || {
