@@ -147,6 +147,9 @@ class AgentConfig(_Strict):
 class CacheConfig(_Strict):
     node_id: str = Field(default_factory=lambda: socket.gethostname())
     chunk_size: int = Field(256, ge=1)
+    # Whether the connector stores a prompt's last, partial chunk (LMCache's
+    # save_unfull_chunk); kv_connector_extra_config.save_unfull_chunk overrides it.
+    save_unfull_chunk: bool = True
     redis_url: str | None = None
     location_ttl_s: float = Field(3600.0, gt=0)
     heartbeat_ttl_s: float = Field(15.0, gt=0)
@@ -181,10 +184,11 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the key."""
 
 
-def format_validation_error(e: ValidationError) -> str:
+def format_validation_error(e: ValidationError, prefix: str = "") -> str:
+    """``loc: message`` per error; ``prefix`` names where the validated mapping sits."""
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        loc = ".".join([prefix] * bool(prefix) + [str(x) for x in err["loc"]]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -193,7 +197,13 @@ def format_validation_error(e: ValidationError) -> str:
 
 
 def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -> CacheConfig:
-    """Load from a YAML path or a dict. ``None`` gives the embedded defaults."""
+    """Load from a YAML path or a dict. ``None`` gives the file named by
+    ``LMCACHE_CONFIG_FILE`` if set (LMCache's way to name its YAML), else the embedded
+    defaults. An LMCache-format file is mapped by ``tiered_cache.lmcache_config``."""
+    if source is None and os.environ.get("LMCACHE_CONFIG_FILE"):
+        source = os.environ["LMCACHE_CONFIG_FILE"]
+        if not Path(source).is_file():
+            raise ConfigError(f"config file not found: {source} (from LMCACHE_CONFIG_FILE)")
     if source is None:
         data: Any = {}
         where = "defaults"
@@ -211,6 +221,10 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -
             raise ConfigError(f"{p}: invalid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
+        from tiered_cache.lmcache_config import is_lmcache_config, load_lmcache_config
+
+        if is_lmcache_config(data, where):
+            return load_lmcache_config(p)
         if "tiered_cache" in data and isinstance(data["tiered_cache"], dict):
             data = data["tiered_cache"]
     try:
