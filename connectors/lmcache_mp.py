@@ -1,0 +1,590 @@
+"""LMCache multiprocess (MP) mode: an L2 adapter that keeps LMCache's L2 objects in the
+tiered cache (our DRAM pool, NVMe and S3 tiers, Redis directory, pins, policies).
+
+Start ``lmcache server`` with it (``connectors`` must be importable, e.g. PYTHONPATH=repo)::
+
+    lmcache server --l1-size-gb 1 --eviction-policy LRU --supported-transfer-mode auto \\
+      --l2-adapter '{"type": "plugin", "module_path": "connectors.lmcache_mp",
+                     "class_name": "TieredCacheL2Adapter",
+                     "config_class_name": "TieredCacheL2AdapterConfig",
+                     "adapter_params": {"config_file": "/etc/tiered-cache.yaml"}}'
+
+``adapter_params`` are the store keys of ``tiered_cache.client.open_store``
+(``config_file``, ``tiered_cache``, ``store_dir``, ``agent_socket``, ``embedded``, ...) plus
+``durable`` (default false: a store completes once our DRAM pool holds the chunk; true: once
+the write-through tiers hold it too) and ``chunk_size`` (the server's ``--chunk-size``, for
+our hit-token counters). vLLM keeps using ``LMCacheMPConnector`` unchanged.
+
+Mapping:
+
+* key: ``sha256`` of the length-prefixed fields of LMCache's ``ObjectKey`` (model, kv
+  rank, object group, cache salt, chunk hash), truncated to our 32 hex characters;
+* data: the object's bytes as one of our chunks (header with checksum). The fingerprint
+  hashes the model name and the object's memory layout (shapes, dtypes, format), so a
+  chunk is only ever copied into a buffer of the same model and layout; a chunk that fails
+  verification is a load miss, never data;
+* pins: our tiers never evict pinned chunks; ``prefix_pin`` (or ``python -m
+  connectors.lmcache_mp pin``) turns a token prefix into a pin on the keys LMCache MP
+  stores for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import itertools
+import json
+import struct
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from lmcache.lmcache_native import Bitmap
+from lmcache.logging import init_logger
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.platform import create_event_notifier
+
+from tiered_cache import client as tc_client
+from tiered_cache.codec import MAX_DIMS, ChunkMeta
+from tiered_cache.keys import KEY_BYTES
+
+if TYPE_CHECKING:
+    from lmcache.v1.memory_management import MemoryObj
+
+    from tiered_cache.client import AgentClient
+    from tiered_cache.directory import Pin
+
+# LMCache's handler and LMCACHE_LOG_LEVEL, so our lines land in the server's log.
+log = init_logger("tiered_cache.lmcache_mp")
+
+_DOMAIN = b"tiered-cache/lmcache-mp/v1"
+STORE_KEYS = (
+    "config_file",
+    "tiered_cache",
+    "store_dir",
+    "agent_socket",
+    "embedded",
+    "verify_dram_reads",
+    "dram_capacity",
+    "slot_bytes",
+)
+
+
+# ----------------------------------------------------------------------------- mapping
+
+
+def _digest(domain: bytes, parts: Sequence[bytes]) -> bytes:
+    """sha256 over length-prefixed parts: no two field tuples serialize alike."""
+    h = hashlib.sha256(domain)
+    for p in parts:
+        h.update(struct.pack("<I", len(p)))
+        h.update(p)
+    return h.digest()
+
+
+def object_key_to_key(key: ObjectKey) -> str:
+    """Our chunk key (32 hex) for an LMCache MP ``ObjectKey``: deterministic, so every
+    server and node maps the same object to the same chunk."""
+    return _digest(
+        _DOMAIN + b"|key",
+        (
+            key.model_name.encode(),
+            str(key.kv_rank).encode(),
+            str(key.object_group_id).encode(),
+            key.cache_salt.encode(),
+            bytes(key.chunk_hash),
+        ),
+    )[:KEY_BYTES].hex()
+
+
+@dataclass(frozen=True)
+class ObjLayout:
+    """What a buffer must match to receive a stored object's bytes."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    fmt: int
+    nbytes: int
+
+    def canonical(self) -> bytes:
+        return json.dumps([self.shapes, self.dtypes, self.fmt, self.nbytes]).encode()
+
+
+def _dtype_str(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_of(obj: MemoryObj) -> ObjLayout:
+    meta = obj.metadata
+    shapes = meta.shapes if meta.shapes else [meta.shape]
+    dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
+    return ObjLayout(
+        shapes=tuple(tuple(int(d) for d in s) for s in shapes),
+        dtypes=tuple(_dtype_str(d) for d in dtypes),
+        fmt=int(meta.fmt.value),
+        nbytes=int(obj.get_size()),
+    )
+
+
+def model_fingerprint(model_name: str) -> bytes:
+    """Model-only identity (what pins record; chunks carry ``fingerprint``)."""
+    return _digest(_DOMAIN + b"|model", (model_name.encode(),))[:KEY_BYTES]
+
+
+def fingerprint(model_name: str, layout: ObjLayout) -> bytes:
+    """16-byte chunk fingerprint: model name and memory layout."""
+    return _digest(_DOMAIN + b"|fp", (model_name.encode(), layout.canonical()))[:KEY_BYTES]
+
+
+# MemoryFormat value -> (ndim, token dimension), for the header's token count.
+_TOKEN_DIM = {
+    MemoryFormat.KV_2LTD.value: (4, 2),
+    MemoryFormat.KV_T2D.value: (3, 0),
+    MemoryFormat.KV_2TD.value: (3, 1),
+    MemoryFormat.KV_MLA_FMT.value: (4, 2),
+}
+
+
+def chunk_meta(key: str, fp: bytes, layout: ObjLayout, num_tokens: int | None = None) -> ChunkMeta:
+    """Header fields for an object. The payload is opaque bytes; the fingerprint binds the
+    exact layout, and single-tensor objects also record their real dtype and shape.
+    ``num_tokens`` (else read off the layout when its format says where) only feeds our
+    hit-token counters."""
+    shape = layout.shapes[0]
+    single = len(layout.shapes) == 1 and 0 < len(shape) <= MAX_DIMS
+    ndim_tok = _TOKEN_DIM.get(layout.fmt)
+    ntok = num_tokens
+    if ntok is None:
+        ntok = shape[ndim_tok[1]] if single and ndim_tok and len(shape) == ndim_tok[0] else 0
+    return ChunkMeta(
+        key=key,
+        fingerprint=fp,
+        num_tokens=int(ntok),
+        dtype=layout.dtypes[0] if single else "uint8",
+        shape=shape if single else (layout.nbytes,),
+        kv_layout=f"lmc{layout.fmt}",
+    )
+
+
+def copy_into(dst: Any, payload: memoryview) -> bool:
+    """Copy ``payload`` into a writable buffer of exactly its size; False on a mismatch."""
+    out = np.frombuffer(dst, dtype=np.uint8)
+    src = np.frombuffer(payload, dtype=np.uint8)
+    if out.nbytes != src.nbytes:
+        return False
+    np.copyto(out, src)  # releases the GIL: the checksum thread overlaps it
+    return True
+
+
+def split_store_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``open_store`` part of an adapter/plugin configuration."""
+    return {k: params[k] for k in STORE_KEYS if k in params}
+
+
+class _StoreHandle:
+    """Clients of one node agent; starts an embedded agent when none runs (and the
+    config allows it) and stops it again on close if this handle started it."""
+
+    def __init__(self, store: Mapping[str, Any]) -> None:
+        # open_store starts an embedded agent silently; tell ours from one already running.
+        before = set(tc_client._embedded)
+        self.clients: list[AgentClient] = []
+        self.first = self.open(store)
+        self.owns_agent = bool(set(tc_client._embedded) - before)
+
+    def open(self, store: Mapping[str, Any]) -> AgentClient:
+        c = tc_client.open_store(store)
+        self.clients.append(c)
+        return c
+
+    def close(self) -> None:
+        for c in self.clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        if self.owns_agent:
+            tc_client.shutdown_embedded()
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+class TieredCacheL2AdapterConfig(L2AdapterConfigBase):
+    """``adapter_params``: ``open_store`` keys plus ``durable`` and ``chunk_size``."""
+
+    OWN_KEYS = ("durable", "chunk_size")
+
+    def __init__(
+        self, store: Mapping[str, Any] | None = None, durable: bool = False, chunk_size: int = 256
+    ) -> None:
+        self.store = dict(store or {})
+        self.durable = durable
+        self.chunk_size = chunk_size
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TieredCacheL2AdapterConfig:
+        unknown = set(d) - set(STORE_KEYS) - set(cls.OWN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown tiered-cache adapter params {sorted(unknown)}; "
+                f"valid: {', '.join((*STORE_KEYS, *cls.OWN_KEYS))}"
+            )
+        durable = d.get("durable", False)
+        if not isinstance(durable, bool):
+            raise ValueError("durable must be a boolean")
+        chunk_size = d.get("chunk_size", 256)
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+            raise ValueError("chunk_size must be a positive integer")
+        return cls(split_store_params(d), durable=durable, chunk_size=chunk_size)
+
+    @classmethod
+    def help(cls) -> str:
+        return (
+            "tiered-cache L2 adapter params:\n"
+            "- config_file (str): tiered-cache YAML (node agent socket, tiers, redis_url)\n"
+            "- tiered_cache (dict): the same config inline\n"
+            "- store_dir (str): shorthand, DRAM plus a write-through NVMe directory\n"
+            "- agent_socket (str): override the agent's unix socket\n"
+            "- embedded (auto|never): start an in-process agent when none runs\n"
+            "- durable (bool): complete stores only once write-through tiers hold them\n"
+            "- chunk_size (int): the server's --chunk-size (token counts in our metrics)"
+        )
+
+
+class TieredCacheL2Adapter(L2AdapterInterface):
+    """``L2AdapterInterface`` over a tiered-cache node agent.
+
+    Three worker threads, each with its own agent connection, run stores, lookups and
+    loads, so a large store never delays a lookup. Lookup does not lock: our tiers never
+    evict a chunk that is being read, and one evicted between lookup and load is a load
+    miss, which LMCache already handles. Capacity is ours (tier policies), so the adapter
+    declares none and LMCache's L2 eviction leaves it alone.
+    """
+
+    def __init__(
+        self,
+        config: TieredCacheL2AdapterConfig | Mapping[str, Any] | None = None,
+        l1_memory_desc: Any = None,  # the plugin factory passes it; we copy through our pool
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, TieredCacheL2AdapterConfig):
+            config = TieredCacheL2AdapterConfig.from_dict(dict(config or {}))
+        self.config = config
+        self._durable = config.durable
+        self._handle = _StoreHandle(config.store)
+        self._store_client = self._handle.first
+        self._lookup_client = self._handle.open(config.store)
+        self._load_client = self._handle.open(config.store)
+        self._pools = {
+            name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tc-l2-{name}")
+            for name in ("store", "lookup", "load")
+        }
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._done_store: dict[L2TaskId, L2StoreResult] = {}
+        self._done_lookup: dict[L2TaskId, Bitmap] = {}
+        self._done_load: dict[L2TaskId, Bitmap] = {}
+        self._errors = 0
+        self._closed = False
+        self._seen_layouts: set[ObjLayout] = set()
+        log.info(
+            "tiered-cache L2 adapter on agent %s (node %s, tiers %s)",
+            self._store_client.socket_path,
+            self._store_client.node_id,
+            self._store_client.tiers,
+        )
+
+    # -- event fds
+
+    def get_store_event_fd(self) -> int:
+        return int(self._store_efd.fileno())
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return int(self._lookup_efd.fileno())
+
+    def get_load_event_fd(self) -> int:
+        return int(self._load_efd.fileno())
+
+    # -- plumbing
+
+    def _submit(self, pool: str, fn: Callable[[L2TaskId], None]) -> L2TaskId:
+        with self._lock:
+            task_id = next(self._ids)
+        self._pools[pool].submit(fn, task_id)
+        return task_id
+
+    def _failed(self, what: str) -> None:
+        with self._lock:
+            self._errors += 1
+        log.exception("tiered-cache L2 %s failed", what)
+
+    # -- store
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit("store", lambda tid: self._store(tid, keys, objects))
+
+    def _store(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+        ok, sizes = True, []
+        try:
+            items: list[tuple[ChunkMeta, Any]] = []
+            for key, obj in zip(keys, objects, strict=True):
+                lay = layout_of(obj)
+                if lay not in self._seen_layouts:  # once per layout: what we store, and how
+                    self._seen_layouts.add(lay)
+                    log.info("storing LMCache objects of layout %s for %s", lay, key.model_name)
+                fp = fingerprint(key.model_name, lay)
+                meta = chunk_meta(object_key_to_key(key), fp, lay, self.config.chunk_size)
+                items.append((meta, obj.byte_array))
+                sizes.append(lay.nbytes)
+            self._store_client.put_many(items, wait=self._durable)
+        except Exception:
+            ok = False
+            self._failed("store")
+        if ok and keys:
+            self._notify_keys_stored(list(keys), sizes)
+        with self._lock:
+            self._done_store[task_id] = L2StoreResult(ok, sum(sizes) if ok else 0)
+        self._store_efd.notify()
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._done_store = self._done_store, {}
+        return done
+
+    # -- lookup
+
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
+    ) -> L2TaskId:
+        return self._submit("lookup", lambda tid: self._lookup(tid, keys))
+
+    def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
+        bitmap = Bitmap(len(keys))
+        # One prefix lookup per row (same model, rank, group, salt; chunk-ordered): a
+        # chunk after a missing one cannot be used, and one round trip serves the row.
+        rows: dict[tuple[str, int, int, str], list[int]] = {}
+        for i, k in enumerate(keys):
+            rows.setdefault((k.model_name, k.kv_rank, k.object_group_id, k.cache_salt), []).append(
+                i
+            )
+        try:
+            for idx in rows.values():
+                found = self._lookup_client.lookup([object_key_to_key(keys[i]) for i in idx])
+                for i in idx[: len(found)]:
+                    bitmap.set(i)
+        except Exception:
+            self._failed("lookup")
+        with self._lock:
+            self._done_lookup[task_id] = bitmap
+        self._lookup_efd.notify()
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done_lookup.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        pass  # nothing is locked (see the class docstring)
+
+    # -- load
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit("load", lambda tid: self._load(tid, keys, objects))
+
+    def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            by_fp: dict[bytes, list[int]] = {}
+            for i, (k, obj) in enumerate(zip(keys, objects, strict=True)):
+                by_fp.setdefault(fingerprint(k.model_name, layout_of(obj)), []).append(i)
+            for fp, idx in by_fp.items():
+                for i in self._load_group(keys, objects, idx, fp):
+                    bitmap.set(i)
+        except Exception:
+            self._failed("load")
+        loaded = [keys[i] for i in bitmap.get_indices_list()]
+        if loaded:
+            self._notify_keys_accessed(loaded)
+        with self._lock:
+            self._done_load[task_id] = bitmap
+        self._load_efd.notify()
+
+    def _load_group(
+        self, keys: list[ObjectKey], objects: list[MemoryObj], idx: list[int], fp: bytes
+    ) -> list[int]:
+        """Load ``keys[i] for i in idx`` (one fingerprint) straight from the agent's shared
+        memory into their buffers; returns the indices that arrived intact."""
+        short: set[int] = set()
+
+        def sink(j: int, meta: ChunkMeta, payload: memoryview) -> None:
+            if not copy_into(objects[idx[j]].byte_array, payload):
+                short.add(idx[j])
+
+        got = self._load_client.load_many([object_key_to_key(keys[i]) for i in idx], fp, sink)
+        return [i for i, ok in zip(idx, got, strict=True) if ok and i not in short]
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done_load.pop(task_id, None)
+
+    # -- status, cleanup
+
+    def report_status(self) -> dict[str, Any]:
+        with self._lock:
+            errors = self._errors
+        return {
+            "is_healthy": not self._closed,
+            "type": "TieredCacheL2Adapter",
+            "agent_socket": self._store_client.socket_path,
+            "node_id": self._store_client.node_id,
+            "tiers": list(self._store_client.tiers),
+            "durable": self._durable,
+            "errors": errors,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+        self._handle.close()
+        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+            efd.close()
+        log.info("tiered-cache L2 adapter closed")
+
+
+# ----------------------------------------------------------------------------- pins
+
+
+def prefix_object_keys(
+    tokens: Sequence[int],
+    model_name: str,
+    *,
+    world_size: int = 1,
+    chunk_size: int = 256,
+    hash_algorithm: str = "blake3",
+    cache_salt: str = "",
+) -> list[ObjectKey]:
+    """The ``ObjectKey``s an LMCache MP server stores for the whole chunks of ``tokens``
+    (object group 0, every kv rank), computed with LMCache's own hasher. ``chunk_size``
+    and ``hash_algorithm`` must match the server's (``--chunk-size``, ``--hash-algorithm``);
+    ``model_name`` is the name vLLM's ``LMCacheMPConnector`` reports (the ``--model``)."""
+    from lmcache.v1.multiprocess.cache_control.key_resolver import resolve_object_keys
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    keys, _ = resolve_object_keys(
+        TokenHasher(chunk_size, hash_algorithm), model_name, world_size, list(tokens), cache_salt
+    )
+    return list(keys)
+
+
+def prefix_pin(
+    tokens: Sequence[int],
+    model_name: str,
+    *,
+    tiers: Sequence[str] = ("nvme",),
+    ttl_s: float | None = None,
+    note: str = "",
+    owner: str = "",
+    world_size: int = 1,
+    chunk_size: int = 256,
+    hash_algorithm: str = "blake3",
+    cache_salt: str = "",
+) -> Pin:
+    """A pin on the chunks an LMCache MP server stores for ``tokens``; add it with
+    ``AgentClient.admin("pin_add", pin=pin.model_dump(), ...)`` (or the CLI below)."""
+    from tiered_cache.directory import Pin
+
+    okeys = prefix_object_keys(
+        tokens,
+        model_name,
+        world_size=world_size,
+        chunk_size=chunk_size,
+        hash_algorithm=hash_algorithm,
+        cache_salt=cache_salt,
+    )
+    if not okeys:
+        raise ValueError(f"{len(tokens)} tokens are fewer than one chunk ({chunk_size})")
+    now = time.time()
+    return Pin(
+        id=uuid.uuid4().hex[:12],
+        note=note or f"lmcache-mp prefix of {model_name}",
+        keys=[object_key_to_key(k) for k in okeys],
+        tiers=list(tiers),
+        ttl_s=ttl_s,
+        owner=owner,
+        created_at=now,
+        fingerprint=model_fingerprint(model_name).hex(),
+        num_tokens=len(tokens),
+        # `pin warm --server URL` prefills these through that vLLM; pointed at one using
+        # LMCacheMPConnector, LMCache stores the chunks and this adapter lands them here.
+        tokens=list(tokens),
+    )
+
+
+def _parse_tokens(spec: str) -> list[int]:
+    text = open(spec[1:]).read() if spec.startswith("@") else spec  # noqa: SIM115
+    text = text.strip()
+    if text.startswith("["):
+        return [int(t) for t in json.loads(text)]
+    return [int(t) for t in text.replace("\n", ",").split(",") if t.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m connectors.lmcache_mp pin|keys``: pin an LMCache MP prefix."""
+    from tiered_cache.config import load_config, parse_duration
+
+    ap = argparse.ArgumentParser(prog="python -m connectors.lmcache_mp")
+    ap.add_argument("command", choices=["pin", "keys"])
+    ap.add_argument("-c", "--config", help="tiered-cache YAML (agent socket)")
+    ap.add_argument("--socket", help="node agent socket (overrides the config)")
+    ap.add_argument("--model", required=True, help="model name as vLLM reports it")
+    ap.add_argument("--tokens", required=True, help="token ids: '1,2,3', a JSON list or @file")
+    ap.add_argument("--tiers", default="nvme")
+    ap.add_argument("--ttl", default="none")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--hash-algorithm", default="blake3")
+    ap.add_argument("--salt", default="")
+    ap.add_argument("--note", default="")
+    ap.add_argument("--token", help="admin token of the agent")
+    a = ap.parse_args(argv)
+    pin = prefix_pin(
+        _parse_tokens(a.tokens),
+        a.model,
+        tiers=[t.strip() for t in a.tiers.split(",") if t.strip()],
+        ttl_s=parse_duration(a.ttl),
+        note=a.note,
+        world_size=a.world_size,
+        chunk_size=a.chunk_size,
+        hash_algorithm=a.hash_algorithm,
+        cache_salt=a.salt,
+    )
+    if a.command == "keys":
+        print("\n".join(pin.keys))
+        return 0
+    sock = a.socket or load_config(a.config).socket_path
+    c = tc_client.AgentClient(sock, attach_pool=False)
+    try:
+        pid = c.admin("pin_add", pin=pin.model_dump(), chunk_bytes=0, token=a.token)["id"]
+    finally:
+        c.close()
+    print(json.dumps({"id": pid, "chunks": len(pin.keys), "tiers": pin.tiers}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
