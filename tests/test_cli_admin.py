@@ -4,6 +4,7 @@ ls, evict, flush, nodes, tokens, one-line errors, and the agent's ``GET /metrics
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -155,7 +156,7 @@ def test_every_command_has_help() -> None:
     for want in [
         ("pin", "add"), ("pin", "ls"), ("pin", "rm"), ("pin", "import"), ("pin", "export"),
         ("pin", "warm"), ("stats",), ("ls",), ("evict",), ("flush",), ("nodes",),
-        ("dashboard",),
+        ("dashboard",), ("models",),
     ]:  # fmt: skip
         assert want in cmds
     for c in cmds:
@@ -478,9 +479,15 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
         (["pin", "add", "--tokens", "1,2", "--ttl", "tomorrow"], "not a duration"),
         (["pin", "add", "--tokens", "1,2", "--tiers", "dram,floppy"], "unknown tier floppy"),
         (
-            ["pin", "add", "--tokens", csv(toks(0, 20 * 256 // CHUNK)), "--model", str(model)],
+            ["pin", "add", "--tokens", csv(toks(0, 20 * 256 // CHUNK)), "--model", str(model),
+             "--block-size", "16"],  # by hand: nothing registered here
             "does not fit the dram pin budget",
         ),
+        (
+            ["pin", "add", "-c", str(no_agent), "--tokens", "1,2", "--model", str(model)],
+            "no node agent at",
+        ),
+        (["models", "-c", str(no_agent)], "no node agent at"),
         (["stats", "-c", str(no_agent)], f"no node agent at {tmp_path / 'no.sock'}"),
         (["nodes", "-c", str(no_agent)], "no node agent at"),
         (["ls", "-c", str(no_agent)], "no node agent at"),
@@ -538,6 +545,51 @@ def test_pins_and_nodes_through_redis(tmp_path: Path, redis_server: Any) -> None
         proc.wait()
 
 
+def test_pin_by_model_uses_fingerprints_registered_in_redis(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    """A connector registers through its agent; with redis_url `pin add --model` (a served
+    name here) reads the registrations from Redis and pins under every TP rank's keys."""
+    cfg = write_cfg(tmp_path, redis_url=redis_server.url, heartbeat_ttl_s=5)
+    proc = start_agent(cfg)
+    c = AgentClient(yaml.safe_load(cfg.read_text())["agent"]["socket"], attach_pool=False)
+    try:
+        t = toks(85_000, 3)
+        one_line_error(
+            run("pin", "add", "-c", str(cfg), "--tokens", csv(t), "--model", "llama-8b",
+                "--token", TOKEN),
+            "no vLLM instance has registered model 'llama-8b' yet; start it",
+        )  # fmt: skip
+        fps = [
+            ModelFingerprint("/models/llama-8b", dtype="bfloat16", block_size=16,
+                             kv_layout="NHD@cuda/FullAttentionSpec", tp_rank=r,
+                             tp_world_size=2, chunk_size=CHUNK)
+            for r in range(2)
+        ]  # fmt: skip
+        for f in fps:  # what each TP rank's connector sends
+            h = c.register_model({**dataclasses.asdict(f), "aliases": ["llama-8b"]})
+            assert h == f.hex
+        listed = json.loads(ok("models", "-c", str(cfg), "--json").stdout)
+        assert sorted(m["fingerprint"] for m in listed) == sorted(f.hex for f in fps)
+        assert {m["node"] for m in listed} == {yaml.safe_load(cfg.read_text())["node_id"]}
+        info = json.loads(
+            ok("pin", "add", "-c", str(cfg), "--tokens", csv(t), "--model", "llama-8b",
+               "--token", TOKEN, "--json").stdout
+        )  # fmt: skip
+        pin = yaml.safe_load(ok("pin", "export", "-c", str(cfg)).stdout)["pins"][0]
+        assert pin["id"] == info["id"]
+        assert sorted(pin["keys"]) == sorted(chunk_keys(t, fps[0]) + chunk_keys(t, fps[1]))
+        one_line_error(
+            run("pin", "add", "-c", str(cfg), "--tokens", csv(t), "--model", "llama-8b",
+                "--chunk-size", str(2 * CHUNK), "--token", TOKEN),
+            f"registered with chunk size {CHUNK}, not --chunk-size {2 * CHUNK}",
+        )  # fmt: skip
+    finally:
+        c.close()
+        proc.kill()
+        proc.wait()
+
+
 # --------------------------------------------------------------------------- metrics
 
 
@@ -574,8 +626,8 @@ def test_metric_names_follow_prometheus_conventions() -> None:
             )
         if fam.type == "histogram":
             assert fam.name.endswith("_seconds"), fam.name
-        if fam.type == "gauge":
-            assert fam.name.endswith("_bytes"), fam.name
+        if fam.type == "gauge":  # in base units
+            assert fam.name.endswith(("_bytes", "_seconds", "_bytes_per_second")), fam.name
     for want in ["lookups", "hits", "misses", "hit_tokens", "read_bytes", "written_bytes",
                  "load_seconds", "store_seconds", "evictions", "admission_rejects",
                  "verification_failures", "pinned_bytes", "used_bytes", "capacity_bytes",

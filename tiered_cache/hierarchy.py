@@ -25,6 +25,7 @@ from policies import AdmissionPolicy, EntryInfo, EvictionPolicy, make_admission,
 from tiered_cache import codec
 from tiered_cache.codec import ChunkMeta
 from tiered_cache.directory import Directory, Pin
+from tiered_cache.estimates import SourceEstimator, kind_of
 from tiered_cache.metrics import Metrics
 from tiered_cache.tiers.base import Tier, TierError, TierFull
 from tiered_cache.tiers.dram import DRAMTier
@@ -92,6 +93,9 @@ class TieredStore:
         # them on every read would cost as much as the copy itself.
         self.verify_dram = verify_dram
         self.peer_fetch = peer_fetch
+        # Expected time per source (dram, nvme, peer:<node>, s3), from real transfers.
+        self.estimates = SourceEstimator()
+        self._typical_bytes = 0  # size of recent chunks, for ranking sources of unknown size
         self._locks = {s.name: asyncio.Lock() for s in self.slots}
         self._bg: set[asyncio.Task[None]] = set()
         self._bg_sem = asyncio.Semaphore(max_background)
@@ -373,26 +377,68 @@ class TieredStore:
     ) -> Hit | None:
         """Nearest verified copy of ``key``, or None (miss, or every copy failed).
 
-        Order: this node's DRAM and NVMe, then a peer node's DRAM/NVMe, then S3."""
-        local = [s for s in self.slots if s.name != "s3"]
-        shared = [s for s in self.slots if s.name == "s3"]
-        for slot in local:
-            if not (await slot.tier.contains_many([key]))[0]:
+        Sources are tried by expected transfer time (``estimates``): with the priors that is
+        this node's DRAM, its NVMe, a peer node's DRAM/NVMe, then S3; measured transfers can
+        reorder them, e.g. a peer's DRAM ahead of a slow local disk."""
+        return await self._get_planned(
+            key, await self._plan(key), expect_fingerprint, promote
+        )
+
+    async def _get_planned(
+        self, key: str, plan: list[str], expect_fp: bytes | None, promote: bool
+    ) -> Hit | None:
+        for src in plan:
+            if src.startswith("peer:"):
+                hit = await self._fetch_from_peer(key, src[5:], expect_fp)
+                if hit is not None:
+                    if promote:
+                        self._spawn(self._promote(key, hit))
+                    return hit
                 continue
-            hit = await self._read_verified(slot.tier, key, expect_fingerprint)
-            if hit is not None:
-                return self._on_hit(slot, key, hit, promote)
-        hit = await self._get_from_peer(key, expect_fingerprint)
-        if hit is not None:
-            if promote:
-                self._spawn(self._promote(key, hit))
-            return hit
-        for slot in shared:
-            hit = await self._read_verified(slot.tier, key, expect_fingerprint)
+            slot = self.by_name[src]
+            hit = await self._read_verified(slot.tier, key, expect_fp)
             if hit is not None:
                 return self._on_hit(slot, key, hit, promote)
         self.metrics.misses.labels("all").inc()
         return None
+
+    async def _plan(self, key: str) -> list[str]:
+        """Sources that may hold ``key``, fastest expected first. Local tiers are listed
+        only when they hold it; S3 always (a miss there costs one request); peers from the
+        directory, asked only when a peer could beat the best local copy."""
+        held: list[str] = []
+        size = 0
+        for slot in self.slots:
+            if slot.name == "s3":
+                continue
+            if (await slot.tier.contains_many([key]))[0]:
+                held.append(slot.name)
+                size = size or (slot.tier.size_of(key) or 0)
+        size = size or self._typical_bytes or 2**20
+        cands = list(held)
+        if self.peer_fetch is not None and self.directory is not None:
+            best_local = min((self.estimates.expected_s(h, size) for h in held), default=None)
+            if best_local is None or self._best_peer_s(size) < best_local:
+                (locs,) = await self.directory.locate([key])
+                for loc in locs:
+                    p = f"peer:{loc.node_id}"
+                    # A peer serves from all its tiers: list it once.
+                    if loc.node_id != self.node_id and loc.tier in ("dram", "nvme") and p not in cands:
+                        cands.append(p)
+        if "s3" in self.by_name:
+            cands.append("s3")
+        return self.estimates.rank(cands, size)
+
+    def _observe(self, source: str, nbytes: int, seconds: float) -> None:
+        self.estimates.observe(source, nbytes, seconds)
+        self._typical_bytes = nbytes
+        est = self.estimates.estimate(source)
+        self.metrics.source_latency.labels(source).set(est.latency_s)
+        self.metrics.source_bandwidth.labels(source).set(est.bandwidth_bps)
+
+    def _best_peer_s(self, size: int) -> float:
+        known = [s for s in self.estimates.snapshot() if kind_of(s) == "peer"]
+        return min(self.estimates.expected_s(s, size) for s in [*known, "peer"])
 
     def _on_hit(self, slot: TierSlot, key: str, hit: Hit, promote: bool) -> Hit:
         slot.eviction.on_access(key)
@@ -431,42 +477,55 @@ class TieredStore:
             await self.delete(key, tiers=[name])
             return None
         n = len(raw)
+        dt = time.perf_counter() - t0
+        self._observe(source or name, n, dt)
         self.metrics.hits.labels(source or name).inc()
         self.metrics.hit_tokens.labels(source or name).inc(meta.num_tokens)
         self.metrics.bytes_read.labels(source or name).inc(n)
-        self.metrics.load_seconds.labels(source or name).observe(time.perf_counter() - t0)
+        self.metrics.load_seconds.labels(source or name).observe(dt)
         return Hit(meta, payload, source or name)
 
     async def _get_from_peer(self, key: str, expect_fp: bytes | None) -> Hit | None:
+        """The first verified copy from any peer that the directory says holds ``key``."""
         if self.peer_fetch is None or self.directory is None:
             return None
         (locs,) = await self.directory.locate([key])
-        tried: set[str] = set()  # a peer serves from all its tiers: ask each node once
-        for loc in locs:
-            if loc.node_id == self.node_id or loc.tier not in ("dram", "nvme"):
-                continue
-            if loc.node_id in tried:
-                continue
-            tried.add(loc.node_id)
-            try:
-                raw = await self.peer_fetch(key, loc.node_id)
-            except Exception as e:
-                log.warning("peer %s fetch of %s failed: %s", loc.node_id, key, e)
-                continue
-            if raw is None:
-                continue
-            try:
-                meta, payload = codec.decode(raw, expect_key=key, expect_fingerprint=expect_fp)
-            except codec.ChunkError as e:
-                log.warning("peer %s sent a bad chunk %s: %s", loc.node_id, key, e)
-                self.metrics.verification_failures.labels("peer").inc()
-                continue
-            self.metrics.hits.labels("peer").inc()
-            self.metrics.hit_tokens.labels("peer").inc(meta.num_tokens)
-            self.metrics.bytes_read.labels("peer").inc(len(raw))
-            self.metrics.peer_transfers.labels("in").inc()
-            return Hit(meta, payload, "peer")
+        nodes = [
+            loc.node_id
+            for loc in locs
+            if loc.node_id != self.node_id and loc.tier in ("dram", "nvme")
+        ]
+        for node in dict.fromkeys(nodes):  # a peer serves from all its tiers: ask it once
+            hit = await self._fetch_from_peer(key, node, expect_fp)
+            if hit is not None:
+                return hit
         return None
+
+    async def _fetch_from_peer(self, key: str, node: str, expect_fp: bytes | None) -> Hit | None:
+        if self.peer_fetch is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            raw = await self.peer_fetch(key, node)
+        except Exception as e:
+            log.warning("peer %s fetch of %s failed: %s", node, key, e)
+            return None
+        if raw is None:
+            return None
+        dt = time.perf_counter() - t0
+        try:
+            meta, payload = codec.decode(raw, expect_key=key, expect_fingerprint=expect_fp)
+        except codec.ChunkError as e:
+            log.warning("peer %s sent a bad chunk %s: %s", node, key, e)
+            self.metrics.verification_failures.labels("peer").inc()
+            return None
+        self._observe(f"peer:{node}", len(raw), dt)
+        self.metrics.hits.labels("peer").inc()
+        self.metrics.hit_tokens.labels("peer").inc(meta.num_tokens)
+        self.metrics.bytes_read.labels("peer").inc(len(raw))
+        self.metrics.load_seconds.labels("peer").observe(dt)
+        self.metrics.peer_transfers.labels("in").inc()
+        return Hit(meta, payload, "peer")
 
     async def _promote(self, key: str, hit: Hit) -> None:
         top = self.slots[0]
@@ -546,10 +605,15 @@ class TieredStore:
                 self._spawn(c)
 
     async def lease(
-        self, key: str, expect_fingerprint: bytes | None = None
+        self,
+        key: str,
+        expect_fingerprint: bytes | None = None,
+        *,
+        served: list[str] | None = None,
     ) -> tuple[int, int] | Hit | None:
         """Lease ``key`` in DRAM as (slot, length), promoting it from a lower tier or a peer
-        first. Returns the Hit itself when it cannot be placed in DRAM, None on a miss."""
+        first. Returns the Hit itself when it cannot be placed in DRAM, None on a miss.
+        On a hit, appends the source that served it (tier name or "peer") to ``served``."""
         top = self._dram()
         tier = top.tier
         assert isinstance(tier, DRAMTier)
@@ -561,13 +625,22 @@ class TieredStore:
             with contextlib.suppress(codec.ChunkError):
                 head = tier.slot_view(got[0])[: codec.HEADER_SIZE]
                 self.metrics.hit_tokens.labels("dram").inc(codec.parse_header(head)[0].num_tokens)
+            if served is not None:
+                served.append("dram")
             return got
-        got = await self._lease_from_nvme(top, tier, key, expect_fingerprint)
-        if got is not None:
-            return got
-        hit = await self.get(key, expect_fingerprint=expect_fingerprint, promote=False)
+        plan = await self._plan(key)
+        if plan and plan[0] == "nvme":
+            got = await self._lease_from_nvme(top, tier, key, expect_fingerprint)
+            if got is not None:
+                if served is not None:
+                    served.append("nvme")
+                return got
+            # else (no room in DRAM, or it failed verification): go on down the plan
+        hit = await self._get_planned(key, plan, expect_fingerprint, promote=False)
         if hit is None:
             return None
+        if served is not None:
+            served.append(hit.source)
         await self._write_tier(top, key, codec.encode(hit.meta, hit.payload))
         got = tier.acquire(key)
         return got if got is not None else hit
@@ -605,6 +678,7 @@ class TieredStore:
             return None
         slot.eviction.on_access(key)
         slot.admission.on_access(key)
+        self._observe("nvme", n, time.perf_counter() - t0)
         self.metrics.hits.labels("nvme").inc()
         self.metrics.bytes_read.labels("nvme").inc(n)
         with contextlib.suppress(codec.ChunkError):

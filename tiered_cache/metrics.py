@@ -9,6 +9,42 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LATENCY_BUCKETS = _LAT_BUCKETS  # shared with the vLLM connector's histograms
+
+# The vLLM connector's metrics, exported through vLLM (``connectors.vllm_metrics``):
+# name without prefix (and counters without "_total") -> (kind, label or "", help).
+CONNECTOR_PREFIX = "tiered_cache_connector_"
+CONNECTOR_METRICS: dict[str, tuple[str, str, str]] = {
+    "lookups": (
+        "counter", "result",
+        "Requests whose prompt prefix was looked up in the cache (result: hit, miss)",
+    ),
+    "hit_tokens": (
+        "counter", "tier",
+        "Prompt tokens loaded from the cache instead of prefilled, by the tier that served them",
+    ),
+    "loaded_chunks": ("counter", "tier", "Chunks loaded into vLLM's KV cache, by serving tier"),
+    "loaded_bytes": ("counter", "tier", "Chunk payload bytes loaded, by serving tier"),
+    "stored_chunks": ("counter", "", "Chunks copied out of vLLM's KV cache into the cache"),
+    "stored_bytes": ("counter", "", "Chunk payload bytes stored"),
+    "recompute_fallbacks": (
+        "counter", "reason",
+        "Requests that recompute KV they expected from the cache (reason: missing, "
+        "verification, layout_mismatch, copy_error, load_error, deadline)",
+    ),
+    "layout_mismatches": (
+        "counter", "",
+        "Requests that found chunks of another KV layout, dtype, block size or fingerprint",
+    ),
+    "store_errors": ("counter", "op", "Cache calls that raised (op: lookup, load, save)"),
+    "load_seconds": (
+        "histogram", "tier",
+        "Time to load one request's chunks, by the farthest tier that served any of them",
+    ),
+    "store_seconds": (
+        "histogram", "", "Time an engine step spends handing its chunks to the cache",
+    ),
+}  # fmt: skip
 
 
 class Metrics:
@@ -59,6 +95,15 @@ class Metrics:
             p + "peer_transfers", "Chunks moved between nodes", ["direction"], registry=r
         )
         self.s3_retries = Counter(p + "s3_retries", "S3 requests retried", registry=r)
+        # What the read path believes each source costs (tiered_cache.estimates).
+        self.source_latency = Gauge(
+            p + "source_latency_seconds", "Estimated per-chunk latency of a source",
+            ["source"], registry=r,
+        )
+        self.source_bandwidth = Gauge(
+            p + "source_bandwidth_bytes_per_second", "Estimated bandwidth of a source",
+            ["source"], registry=r,
+        )
 
     def value(self, name: str, **labels: str) -> float:
         """Current sample value (for tests and the CLI); 0 when never set."""
