@@ -12,11 +12,13 @@ from policies.lfu import LFU
 from policies.lru import LRU
 from policies.prefix_aware import PrefixAware
 from policies.s3fifo import S3FIFO
+from policies.s3prefix import S3Prefix
 from policies.sieve import SIEVE
 from policies.wtinylfu import WTinyLFU
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRU, LFU, ARC, S3FIFO, SIEVE, PrefixAware, CostAware, WTinyLFU)
+    cls.name: cls
+    for cls in (LRU, LFU, ARC, S3FIFO, S3Prefix, SIEVE, PrefixAware, CostAware, WTinyLFU)
 }
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     cls.name: cls for cls in (AlwaysAdmit, FrequencyThreshold, TinyLFU)
@@ -56,6 +58,7 @@ __all__ = [
     "EvictionPolicy",
     "FrequencyThreshold",
     "PrefixAware",
+    "S3Prefix",
     "TinyLFU",
     "WTinyLFU",
     "make_admission",

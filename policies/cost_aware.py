@@ -1,24 +1,34 @@
-"""Cost-aware eviction: GreedyDual-Size (Cao & Irani 1997) with a recompute-cost model.
+"""Cost-aware eviction: GreedyDual-Size-Frequency over prefix leaves. O(log n) per operation.
 
 Losing a chunk costs the prefill needed to recompute it. For the chunk at ``position``
 ``i`` (``B`` tokens each) causal attention touches about ``B * (i*B + B/2)`` token pairs,
 so the cost grows like ``2*i + 1`` (in units of ``B**2 / 2``); deep chunks of long prompts
-are the expensive ones. Each entry gets ``H = L + cost / size`` when inserted or read, the
-victim is the entry with the lowest ``H`` (ties: least recently used), and ``L`` is raised
-to the victim's ``H`` on eviction. ``L`` is the aging: an entry not read for a while is
-overtaken by fresh entries, however expensive it was.
+are the expensive ones. GDSF (Cherkasova 1998) weighs that cost by how often the chunk is
+read, per byte: each entry gets ``H = L + freq * cost / size`` when inserted or read. ``L``
+is raised to the victim's ``H`` on each eviction, so an entry not read for a while is
+overtaken by fresh ones however expensive it was (the aging).
 
-O(log n) per operation: a min-heap of ``(H, tick, key)`` with lazy deletion (an item is
-live only if it matches the key's current ``(H, tick)``), rebuilt when stale items
-outnumber live ones.
+Only *leaves* (chunks with no tracked child, as in ``PrefixAware``) are candidates: a
+chunk is useless once a chunk before it is gone, so its value includes every chunk that
+extends it, and a parent (cheaper, and read whenever a child is) must not go first.
+Among leaves the lowest ``H`` goes, ties to the least recently used.
+
+``freq`` counts inserts and reads, and survives eviction in a bounded history
+(``history_ratio`` x capacity keys, oldest dropped): a chunk recomputed and stored again
+comes back with its count, which is what tells a reused prefix from a one-off.
+
+A min-heap of ``(H, tick, key)`` over leaves, with lazy deletion (an item is live only
+if it matches the key's current ``(H, tick)`` and the key is a leaf), rebuilt when stale
+items outnumber live ones.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable
 
-from policies._util import compact_due
+from policies._util import DEFAULT_DETACHED, Detached, compact_due
 from policies.base import EntryInfo, EvictionPolicy
 
 
@@ -34,60 +44,140 @@ class CostAware(EvictionPolicy):
         self,
         capacity_hint: int | None = None,
         cost_fn: Callable[[int], float] = attention_cost,
+        history_ratio: float = 4.0,
     ) -> None:
+        if capacity_hint is not None and capacity_hint < 1:
+            raise ValueError("cost capacity_hint must be >= 1")
+        if history_ratio < 0.0:
+            raise ValueError("cost history_ratio must be >= 0")
+        self.capacity_hint = capacity_hint
         self.cost_fn = cost_fn
+        self.history_ratio = history_ratio
         self._weight: dict[str, float] = {}  # cost / size
+        self._freq: dict[str, int] = {}
         self._stamp: dict[str, tuple[float, int]] = {}  # key -> (H, tick)
+        self._parent: dict[str, str | None] = {}
+        self._children: dict[str, int] = {}  # parent key -> tracked children
         self._heap: list[tuple[float, int, str]] = []
         self._tick = 0
         self._inflation = 0.0  # L
+        self._peak = 0
         self._pending: str | None = None
+        self._history: OrderedDict[str, int] = OrderedDict()  # evicted key -> freq
+        self._detached: Detached[int] = Detached(max(DEFAULT_DETACHED, capacity_hint or 0))
 
     @property
     def inflation(self) -> float:
         return self._inflation
 
+    @property
+    def capacity(self) -> int:
+        return self.capacity_hint if self.capacity_hint is not None else max(1, self._peak)
+
     def priority(self, key: str) -> float | None:
         stamp = self._stamp.get(key)
         return None if stamp is None else stamp[0]
 
-    def _touch(self, key: str) -> None:
-        self._tick += 1
-        h = self._inflation + self._weight[key]
-        self._stamp[key] = (h, self._tick)
-        heapq.heappush(self._heap, (h, self._tick, key))
+    def frequency(self, key: str) -> int:
+        return self._freq.get(key, 0)
+
+    def is_leaf(self, key: str) -> bool:
+        return key in self._parent and self._children.get(key, 0) == 0
+
+    def _push(self, key: str) -> None:
+        if self._children.get(key, 0) or key not in self._stamp:
+            return
+        h, t = self._stamp[key]
+        heapq.heappush(self._heap, (h, t, key))
         if compact_due(len(self._heap), len(self._stamp)):
-            self._heap = [(hh, t, k) for k, (hh, t) in self._stamp.items()]
+            self._heap = [
+                (hh, tt, k) for k, (hh, tt) in self._stamp.items() if not self._children.get(k, 0)
+            ]
             heapq.heapify(self._heap)
 
+    def _touch(self, key: str) -> None:
+        self._tick += 1
+        self._stamp[key] = (self._inflation + self._freq[key] * self._weight[key], self._tick)
+        self._push(key)
+
+    def _link(self, key: str, parent: str | None) -> None:
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+
+    def _unlink(self, key: str) -> None:
+        parent = self._parent.pop(key)
+        if parent is None:
+            return
+        left = self._children[parent] - 1
+        if left:
+            self._children[parent] = left
+        else:
+            del self._children[parent]
+            self._push(parent)
+
     def on_insert(self, key: str, size: int, info: EntryInfo | None = None) -> None:
-        position = info.position if info is not None else 0
-        if key in self._weight and info is None:
+        parent = info.parent if info is not None else None
+        if parent == key:
+            parent = None
+        if key in self._weight:
+            if info is not None:
+                self._weight[key] = self.cost_fn(info.position) / max(1, size)
+                if parent != self._parent[key]:
+                    self._unlink(key)
+                    self._link(key, parent)
             self.on_access(key)
             return
+        position = info.position if info is not None else 0
         self._weight[key] = self.cost_fn(position) / max(1, size)
+        pinned = self._detached.pop(key)
+        if pinned is not None:
+            self._freq[key] = pinned
+        else:
+            self._freq[key] = self._history.pop(key, 0) + 1
+        self._link(key, parent)
         self._touch(key)
+        self._peak = max(self._peak, len(self._weight))
 
     def on_access(self, key: str) -> None:
         if key in self._weight:
+            self._freq[key] += 1
             self._touch(key)
+        else:
+            f = self._detached.get(key)
+            if f is not None:  # read while pinned: keep counting
+                self._detached.put(key, f + 1)
 
     def on_remove(self, key: str) -> None:
         if self._weight.pop(key, None) is None:
             return
+        freq = self._freq.pop(key)
         h, _ = self._stamp.pop(key)
+        self._unlink(key)
         if key == self._pending:
             self._inflation = max(self._inflation, h)
+            limit = int(self.history_ratio * self.capacity)
+            if limit:
+                self._history[key] = freq
+                self._history.move_to_end(key)
+                while len(self._history) > limit:
+                    self._history.popitem(last=False)
+        else:
+            self._detached.put(key, freq)
         self._pending = None
 
     def victim(self) -> str | None:
         heap = self._heap
         while heap:
             h, t, key = heap[0]
-            if self._stamp.get(key) == (h, t):
+            if self._stamp.get(key) == (h, t) and not self._children.get(key, 0):
                 self._pending = key
                 return key
             heapq.heappop(heap)
+        if self._stamp:  # only reachable with a parent cycle (malformed input)
+            key = min(self._stamp, key=self._stamp.__getitem__)
+            self._pending = key
+            return key
         return None
 
     def __contains__(self, key: object) -> bool:

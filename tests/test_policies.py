@@ -23,6 +23,7 @@ from policies import (
     EntryInfo,
     EvictionPolicy,
     PrefixAware,
+    S3Prefix,
     TinyLFU,
     make_admission,
     make_eviction,
@@ -31,6 +32,7 @@ from policies.belady import belady_hits, next_uses
 from policies.tracegen import BLOCK_TOKENS, generate_trace
 
 ALL = sorted(EVICTION_POLICIES)
+LEAF_ONLY = {"prefix", "cost", "s3prefix"}  # evict only chunks with no resident child
 
 
 def make(name: str, capacity: int | None = None) -> EvictionPolicy:
@@ -115,7 +117,17 @@ class Tier:
 
 
 def test_registry_names() -> None:
-    assert set(EVICTION_POLICIES) == {"lru", "lfu", "arc", "s3fifo", "sieve", "prefix", "cost", "wtinylfu"}
+    assert set(EVICTION_POLICIES) == {
+        "lru",
+        "lfu",
+        "arc",
+        "s3fifo",
+        "s3prefix",
+        "sieve",
+        "prefix",
+        "cost",
+        "wtinylfu",
+    }
     assert set(ADMISSION_POLICIES) == {"always", "frequency", "tinylfu"}
     for name in EVICTION_POLICIES:
         assert make_eviction(name.upper()).name == name
@@ -124,7 +136,9 @@ def test_registry_names() -> None:
 
 
 def test_unknown_names_list_valid_ones() -> None:
-    with pytest.raises(ValueError, match="valid: arc, cost, lfu, lru, prefix, s3fifo, sieve"):
+    with pytest.raises(
+        ValueError, match="valid: arc, cost, lfu, lru, prefix, s3fifo, s3prefix, sieve"
+    ):
         make_eviction("mru")
     with pytest.raises(ValueError, match="valid: always, frequency, tinylfu"):
         make_admission("never")
@@ -462,6 +476,121 @@ def test_cost_uses_size() -> None:
     assert p.victim() == "big"
 
 
+def test_cost_evicts_leaves_only() -> None:
+    p = CostAware()
+    tier = Tier(p, 3)
+    tier.put("a", EntryInfo(None, 0))  # H = 1
+    tier.put("b", EntryInfo("a", 1))  # H = 3
+    tier.put("c", EntryInfo("b", 2))  # H = 5, the only leaf of the chain
+    tier.put("x", EntryInfo(None, 0))
+    assert tier.evicted == ["c"]  # not the cheaper a or b: c depends on them
+    assert p.is_leaf("b") and not p.is_leaf("a")
+    tier.put("y", EntryInfo(None, 0))  # L rose to 5: x has H 6, b still 3
+    assert tier.evicted == ["c", "b"]
+
+
+def test_cost_frequency_survives_eviction() -> None:
+    p = CostAware(capacity_hint=2)
+    tier = Tier(p, 2)
+    tier.put("k", EntryInfo(None, 0))
+    tier.access("k")
+    tier.access("k")
+    assert p.frequency("k") == 3
+    p.on_remove("k")  # a pin keeps it too
+    p.on_insert("k", 1, EntryInfo(None, 0))
+    assert p.frequency("k") == 3
+    tier.put("d", EntryInfo(None, 9))  # H = 19 > k's 3
+    tier.put("e", EntryInfo(None, 9))
+    assert tier.evicted == ["k"]
+    tier.put("k", EntryInfo(None, 0))  # recomputed and stored again: 3 + 1
+    assert p.frequency("k") == 4
+
+
+def test_s3prefix_one_hit_wonders_leave_through_small_queue() -> None:
+    cap = 10
+    p = S3Prefix(capacity_hint=cap)
+    tier = Tier(p, cap)
+    hot = [f"h{i}" for i in range(5)]
+    for k in hot:
+        tier.put(k)
+        tier.access(k)
+    for i in range(50):
+        tier.put(f"w{i}")
+    assert set(hot) <= set(tier.resident)
+    assert all(p.queue_of(k) == "main" for k in hot)
+    assert all(v.startswith("w") for v in tier.evicted)
+    assert p.queue_of(tier.evicted[-1]) == "ghost"
+    assert p.ghost_size() == p.ghost_limit == 40  # 45 evicted, 4 x capacity remembered
+
+
+def test_s3prefix_leaves_first_and_ghost_to_main() -> None:
+    p = S3Prefix(capacity_hint=4)  # small target 1
+    tier = Tier(p, 4)
+    tier.put("a", EntryInfo(None, 0))
+    tier.put("b", EntryInfo("a", 1))
+    tier.put("c", EntryInfo("b", 2))
+    tier.put("d", EntryInfo(None, 0))
+    for k in "efg":
+        tier.put(k, EntryInfo(None, 0))
+    # S's oldest chunk is a, but a chunk goes only after everything that extends it
+    assert tier.evicted == ["c", "b", "a"]
+    tier.put("a", EntryInfo(None, 0))  # ghost hits: straight to M
+    tier.put("b", EntryInfo("a", 1))
+    tier.put("c", EntryInfo("b", 2))
+    assert tier.evicted == ["c", "b", "a", "d", "e", "f"]
+    assert [p.queue_of(k) for k in "abcg"] == ["main", "main", "main", "small"]
+    tier.access("g")
+    tier.put("h", EntryInfo(None, 0))  # g was read: to M; S is empty, so M gives a leaf
+    assert tier.evicted[-1] == "c"  # a is M's least recent chunk, but c is the leaf
+
+
+def test_s3prefix_entering_main_takes_ancestors_along() -> None:
+    p = S3Prefix(capacity_hint=10)
+    p.on_insert("a", 1, EntryInfo(None, 0))
+    p.on_insert("b", 1, EntryInfo("a", 1))
+    p.on_insert("x", 1, EntryInfo(None, 0))
+    p.on_access("b")
+    # S (3 chunks) is over its target of 1: b was read, so it and its parent go to M
+    assert p.victim() == "x"
+    assert p.queue_of("a") == "main" and p.queue_of("b") == "main"
+
+
+def test_s3prefix_pin_keeps_queue_and_read_bit() -> None:
+    p = S3Prefix(capacity_hint=10)
+    p.on_insert("m", 1)
+    p.on_insert("s", 1)
+    p.on_access("m")
+    p.on_insert("n", 1)
+    assert p.victim() == "s"  # m (read) moved to M on the way
+    assert p.queue_of("m") == "main"
+    p.on_remove("s")
+    p.on_remove("m")  # pinned
+    p.on_remove("n")  # pinned
+    p.on_access("n")  # read while pinned
+    p.on_insert("m", 1)
+    p.on_insert("n", 1)
+    assert p.queue_of("m") == "main" and p.queue_of("n") == "small"
+    p.on_insert("o", 1)
+    p.on_insert("q", 1)
+    assert p.victim() == "o"  # n was read while pinned: it moves to M instead
+
+
+def test_s3prefix_heaps_and_ghost_stay_bounded() -> None:
+    p = S3Prefix(capacity_hint=10)
+    tier = Tier(p, 10)
+    rng = random.Random(4)
+    for i in range(20_000):
+        k = rng.randrange(300)
+        tier.put(str(k), chain_info(k))
+        tier.access(str(rng.randrange(300)))
+        if i % 97 == 0:
+            assert len(p._sheap) <= 2 * len(p._small) + 65
+            assert len(p._mheap) <= 2 * len(p._main) + 65
+            assert p.ghost_size() <= p.ghost_limit == 40
+    with pytest.raises(ValueError):
+        S3Prefix(small_ratio=1.0)
+
+
 # ---------------------------------------------------------------- hypothesis model check
 
 OPS = st.lists(
@@ -508,7 +637,7 @@ def test_residency_matches_reference_model(
                 assert v is None
             else:
                 assert v in model
-                if name == "prefix":  # never an ancestor of a resident chunk
+                if name in LEAF_ONLY:  # never an ancestor of a resident chunk
                     assert str(int(v) + 1) not in model or int(v) % 4 == 3
                 p.on_remove(v)
                 model.discard(v)
@@ -524,6 +653,259 @@ def test_residency_matches_reference_model(
         assert len(p) == len(model)
         v = p.victim()
         assert (v in model) if model else v is None
+
+
+# ---------------------------------------------------------------- slow reference models
+
+
+class RefCost:
+    """``CostAware`` spelled out: every victim is a scan over the leaves."""
+
+    def __init__(self, hint: int | None, history_ratio: float = 4.0) -> None:
+        self.hint, self.history_ratio = hint, history_ratio
+        self.weight: dict[str, float] = {}
+        self.freq: dict[str, int] = {}
+        self.stamp: dict[str, tuple[float, int]] = {}
+        self.parent: dict[str, str | None] = {}
+        self.history: list[tuple[str, int]] = []  # oldest first
+        self.detached: dict[str, int] = {}
+        self.inflation = 0.0
+        self.tick = self.peak = 0
+        self.pending: str | None = None
+
+    def touch(self, key: str) -> None:
+        self.tick += 1
+        self.stamp[key] = (self.inflation + self.freq[key] * self.weight[key], self.tick)
+
+    def insert(self, key: str, size: int, info: EntryInfo | None) -> None:
+        parent = info.parent if info is not None and info.parent != key else None
+        if key in self.weight:
+            if info is not None:
+                self.weight[key] = (2.0 * info.position + 1.0) / size
+                self.parent[key] = parent
+            self.access(key)
+            return
+        self.weight[key] = (2.0 * (info.position if info else 0) + 1.0) / size
+        if key in self.detached:
+            self.freq[key] = self.detached.pop(key)
+        else:
+            old = [f for k, f in self.history if k == key]
+            self.history = [(k, f) for k, f in self.history if k != key]
+            self.freq[key] = (old[0] if old else 0) + 1
+        self.parent[key] = parent
+        self.touch(key)
+        self.peak = max(self.peak, len(self.weight))
+
+    def access(self, key: str) -> None:
+        if key in self.weight:
+            self.freq[key] += 1
+            self.touch(key)
+        elif key in self.detached:
+            self.detached[key] += 1
+
+    def remove(self, key: str) -> None:
+        if key not in self.weight:
+            return
+        del self.weight[key], self.parent[key]
+        freq = self.freq.pop(key)
+        h, _ = self.stamp.pop(key)
+        if key == self.pending:
+            self.inflation = max(self.inflation, h)
+            limit = int(self.history_ratio * (self.hint or max(1, self.peak)))
+            if limit:
+                self.history.append((key, freq))
+                self.history = self.history[-limit:]
+        else:
+            self.detached[key] = freq
+        self.pending = None
+
+    def victim(self) -> str | None:
+        leaves = [k for k in self.weight if k not in self.parent.values()]
+        self.pending = min(leaves, key=self.stamp.__getitem__) if leaves else None
+        return self.pending
+
+
+class RefS3Prefix:
+    """``S3Prefix`` spelled out: queues as dicts, leaves found by scanning."""
+
+    def __init__(self, hint: int | None, small_ratio: float = 0.1, ghost_ratio: float = 4.0):
+        self.hint, self.small_ratio, self.ghost_ratio = hint, small_ratio, ghost_ratio
+        self.queue: dict[str, str] = {}  # key -> "S" | "M"
+        self.tick_of: dict[str, int] = {}
+        self.read: set[str] = set()
+        self.parent: dict[str, str | None] = {}
+        self.ghost: list[str] = []  # oldest first
+        self.detached: dict[str, tuple[bool, bool]] = {}
+        self.tick = self.peak = 0
+        self.pending: str | None = None
+
+    def capacity(self) -> int:
+        return self.hint if self.hint is not None else max(1, self.peak)
+
+    def leaves(self, q: str) -> list[str]:
+        return [k for k, qq in self.queue.items() if qq == q and k not in self.parent.values()]
+
+    def oldest(self, keys: list[str]) -> str | None:
+        return min(keys, key=self.tick_of.__getitem__) if keys else None
+
+    def to_main(self, key: str | None) -> None:
+        while key is not None and self.queue.get(key) == "S":
+            self.queue[key] = "M"
+            self.read.discard(key)
+            self.tick += 1
+            self.tick_of[key] = self.tick
+            key = self.parent[key]
+
+    def insert(self, key: str, size: int, info: EntryInfo | None) -> None:
+        parent = info.parent if info is not None and info.parent != key else None
+        if key in self.queue:
+            if info is not None:
+                self.parent[key] = parent
+            self.access(key)
+            return
+        self.parent[key] = parent
+        self.tick += 1
+        self.queue[key], self.tick_of[key] = "S", self.tick
+        state = self.detached.pop(key, None)
+        if state is None and key in self.ghost:
+            self.ghost.remove(key)
+            state = (True, False)
+        if state is not None and state[0]:
+            self.to_main(key)
+        elif state is not None and state[1]:
+            self.read.add(key)
+        self.peak = max(self.peak, len(self.queue))
+
+    def access(self, key: str) -> None:
+        if self.queue.get(key) == "M":
+            self.tick += 1
+            self.tick_of[key] = self.tick
+        elif key in self.queue:
+            self.read.add(key)
+        elif key in self.detached:
+            self.detached[key] = (self.detached[key][0], True)
+
+    def remove(self, key: str) -> None:
+        if key not in self.queue:
+            return
+        in_main = self.queue.pop(key) == "M"
+        was_read = key in self.read
+        self.read.discard(key)
+        del self.parent[key], self.tick_of[key]
+        limit = int(self.ghost_ratio * self.capacity())
+        if key != self.pending:
+            self.detached[key] = (in_main, was_read)
+        elif not in_main and limit:
+            self.ghost.append(key)
+            self.ghost = self.ghost[-limit:]
+        self.pending = None
+
+    def victim(self) -> str | None:
+        target = max(1, int(self.small_ratio * self.capacity()))
+        while "S" in self.queue.values():
+            small = self.leaves("S")
+            if len(small) < 1 or (
+                sum(q == "S" for q in self.queue.values()) < target and "M" in self.queue.values()
+            ):
+                break
+            key = self.oldest(small)
+            assert key is not None
+            if key not in self.read:
+                self.pending = key
+                return key
+            self.to_main(key)
+        self.pending = self.oldest(self.leaves("M")) or self.oldest(self.leaves("S"))
+        return self.pending
+
+
+REFERENCES = {"cost": (CostAware, RefCost), "s3prefix": (S3Prefix, RefS3Prefix)}
+MODEL_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "insert", "insert", "access", "evict", "pin", "unpin"]),
+        st.integers(0, 9),
+        st.integers(0, 3),  # parent choice, position, size
+    ),
+    max_size=120,
+)
+
+
+def _model_info(k: int, choice: int) -> EntryInfo | None:
+    """Acyclic parents: a chunk's parent is a smaller key (or none)."""
+    if choice == 0:
+        return None
+    if choice == 1 or k == 0:
+        return EntryInfo(None, k)
+    return EntryInfo(str(k // choice - (1 if k % choice == 0 else 0)), k)
+
+
+def _check_against_reference(
+    name: str, ops: Sequence[tuple[str, int, int]], cap: int, hint: bool
+) -> None:
+    """Same victim after every operation as a straightforward O(n) model of the policy."""
+    fast_cls, ref_cls = REFERENCES[name]
+    fast = fast_cls(capacity_hint=cap if hint else None)
+    ref = ref_cls(cap if hint else None)
+    resident: set[str] = set()
+    pinned: dict[str, EntryInfo | None] = {}
+    for op, k, x in ops:
+        key = str(k)
+        if op == "insert" and key not in pinned:
+            info, size = _model_info(k, x), 1 + x % 2
+            if key not in resident and len(resident) + len(pinned) >= cap:
+                v = fast.victim()
+                assert v == ref.victim()
+                if v is None:
+                    continue
+                fast.on_remove(v)
+                ref.remove(v)
+                resident.discard(v)
+            fast.on_insert(key, size, info)
+            ref.insert(key, size, info)
+            resident.add(key)
+        elif op == "access":
+            fast.on_access(key)
+            ref.access(key)
+        elif op == "evict":
+            v = fast.victim()
+            assert v == ref.victim()
+            if v is not None:
+                fast.on_remove(v)
+                ref.remove(v)
+                resident.discard(v)
+        elif op == "pin" and key in resident:
+            fast.on_remove(key)
+            ref.remove(key)
+            resident.discard(key)
+            pinned[key] = _model_info(k, x)
+        elif op == "unpin" and key in pinned:
+            info = pinned.pop(key)
+            fast.on_insert(key, 1, info)
+            ref.insert(key, 1, info)
+            resident.add(key)
+        assert len(fast) == len(resident) and all(r in fast for r in resident)
+        assert fast.victim() == ref.victim()
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=MODEL_OPS, cap=st.integers(1, 7), hint=st.booleans())
+def test_agrees_with_slow_reference(
+    name: str, ops: list[tuple[str, int, int]], cap: int, hint: bool
+) -> None:
+    _check_against_reference(name, ops, cap, hint)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_agrees_with_slow_reference_long_runs(name: str) -> None:
+    """Longer seeded runs than hypothesis draws, over a skewed key set (chains, re-reads)."""
+    kinds = ["insert"] * 5 + ["access"] * 4 + ["evict", "pin", "unpin"]
+    for seed in range(40):
+        rng = random.Random(seed)
+        ops = [
+            (rng.choice(kinds), min(int(rng.paretovariate(0.8)) - 1, 14), rng.randrange(4))
+            for _ in range(400)
+        ]
+        _check_against_reference(name, ops, rng.randint(2, 9), seed % 2 == 0)
 
 
 # ---------------------------------------------------------------- admission

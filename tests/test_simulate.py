@@ -19,6 +19,7 @@ from tiered_cache import codec
 from tiered_cache.cli import main
 from tiered_cache.simulate import (
     DEFAULT_BLOCK_BYTES,
+    NullMetrics,
     SimError,
     StubEncoder,
     TierSpec,
@@ -126,6 +127,7 @@ def test_unbounded_and_belady_basics() -> None:
     u = unbounded(r)
     assert u.hit_blocks == 2 + 3
     assert u.blocks == 10
+    assert u.attention_saved_ratio == pytest.approx((2**2 + 3**2) / (9 + 9 + 9 + 1))
     assert belady(r, 100).hit_blocks == u.hit_blocks
     assert belady(r, 0).hit_blocks == 0
     # Belady at 2 blocks keeps the shared 1, 2
@@ -143,6 +145,9 @@ def test_lru_known_answer() -> None:
     assert res.hit_blocks == 2
     assert res.prefix_hit_ratio == pytest.approx(2 / 7)
     assert res.tokens_saved == 1024
+    # attention work: a request of n blocks costs n**2, a hit of h saves h**2
+    assert (res.attention_saved, res.attention_total) == (4, 4 + 4 + 1 + 4)
+    assert res.to_dict()["attention_saved_ratio"] == pytest.approx(4 / 13)
     (t,) = res.tiers
     assert t.writes == 5
     assert t.bytes_written == 5 * DEFAULT_BLOCK_BYTES
@@ -189,6 +194,21 @@ def test_no_policy_beats_belady(kind: str, name: str) -> None:
     res2 = simulate(r, [TierSpec("dram", cap // 3), TierSpec("nvme", cap - cap // 3)], name)
     assert res2.hit_blocks <= belady(r, cap).hit_blocks
     assert sum(t.hit_blocks for t in res2.tiers) == res2.hit_blocks
+
+
+def test_s3prefix_keeps_a_reread_prefix_through_a_scan() -> None:
+    hot = [1, 2, 3]
+    scan = [list(range(100 + 5 * i, 105 + 5 * i)) for i in range(10)]  # 50 fresh blocks
+    r = recs(hot, hot, hot, *scan, hot)
+    tier = [TierSpec("dram", 20)]
+    assert simulate(r, tier, "s3prefix").hit_blocks == 2 * 3 + 3
+    assert simulate(r, tier, "lru").hit_blocks == 2 * 3  # the scan flushed it
+
+
+def test_null_metrics_accept_metrics_added_later() -> None:
+    m = NullMetrics()
+    m.some_new_gauge.labels("dram").set(1.0)
+    m.hits.labels("dram").inc()
 
 
 def test_admission_keeps_one_hit_wonders_out() -> None:

@@ -133,6 +133,14 @@ class NullMetrics(Metrics):
         ]:
             setattr(self, name, null)
 
+    def __getattr__(self, name: str) -> _Null:
+        # Metrics added to ``Metrics`` later are no-ops too, instead of breaking the replay.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        null = _Null()
+        setattr(self, name, null)
+        return null
+
 
 class SimTier(Tier):
     """A size-only tier: every chunk costs ``block_bytes`` of ``capacity_bytes``.
@@ -355,10 +363,18 @@ class RunResult:
     prompt_tokens: int
     tiers: list[TierResult] = field(default_factory=list)
     seconds: float = 0.0
+    # Attention prefill work in units of one block pair: a request of n blocks costs
+    # n**2 (block i attends to i+1 blocks, 2i+1 half-pairs); a prefix hit of h saves h**2.
+    attention_saved: int = 0
+    attention_total: int = 0
 
     @property
     def prefix_hit_ratio(self) -> float:
         return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def attention_saved_ratio(self) -> float:
+        return self.attention_saved / self.attention_total if self.attention_total else 0.0
 
     @property
     def bytes_written(self) -> int | None:
@@ -371,6 +387,7 @@ class RunResult:
             "blocks": self.blocks,
             "prefill_tokens_saved": self.tokens_saved,
             "prompt_tokens": self.prompt_tokens,
+            "attention_saved_ratio": self.attention_saved_ratio,
             "bytes_written": self.bytes_written,
             "tiers": {t.name: t.to_dict() for t in self.tiers},
             "seconds": round(self.seconds, 3),
@@ -426,8 +443,8 @@ def build_store(
 
 async def _replay(
     store: TieredStore, records: Sequence[Record], block_tokens: int
-) -> tuple[int, int, dict[str, int]]:
-    hit_blocks = tokens_saved = 0
+) -> tuple[int, int, int, dict[str, int]]:
+    hit_blocks = tokens_saved = attention = 0
     served: dict[str, int] = {s.name: 0 for s in store.slots}
     lookup, get, put, flush = store.lookup, store.get, store.put, store.flush
     stub = StubEncoder(block_tokens)
@@ -450,9 +467,14 @@ async def _replay(
             await put(k, stub(k), info=EntryInfo(parent, i))
             parent = k
         hit_blocks += hit
+        attention += hit * hit
         tokens_saved += _tokens_saved(rec, hit, block_tokens)
     await flush()
-    return hit_blocks, tokens_saved, served
+    return hit_blocks, tokens_saved, attention, served
+
+
+def _attention_total(records: Sequence[Record]) -> int:
+    return sum(len(r["hash_ids"]) ** 2 for r in records)
 
 
 def _totals(records: Sequence[Record]) -> tuple[int, int]:
@@ -475,10 +497,20 @@ def simulate(
     does not name its own."""
     store = build_store(tiers, policy, admission, block_bytes, capacity_hints)
     t0 = time.perf_counter()
-    hit, saved, served = asyncio.run(_replay(store, records, block_tokens))
+    hit, saved, attention, served = asyncio.run(_replay(store, records, block_tokens))
     seconds = time.perf_counter() - t0
     blocks, prompt_tokens = _totals(records)
-    res = RunResult(policy, len(records), blocks, hit, saved, prompt_tokens, seconds=seconds)
+    res = RunResult(
+        policy,
+        len(records),
+        blocks,
+        hit,
+        saved,
+        prompt_tokens,
+        seconds=seconds,
+        attention_saved=attention,
+        attention_total=_attention_total(records),
+    )
     for slot, spec in zip(store.slots, tiers, strict=True):
         st = cast(SimTier, slot.tier)
         res.tiers.append(
@@ -531,7 +563,16 @@ def _reference(
     blocks, prompt_tokens = _totals(records)
     hit = sum(per_req)
     saved = sum(_tokens_saved(r, h, block_tokens) for r, h in zip(records, per_req, strict=True))
-    res = RunResult(name, len(records), blocks, hit, saved, prompt_tokens)
+    res = RunResult(
+        name,
+        len(records),
+        blocks,
+        hit,
+        saved,
+        prompt_tokens,
+        attention_saved=sum(h * h for h in per_req),
+        attention_total=_attention_total(records),
+    )
     if inserts is None:
         return res
     res.tiers.append(
@@ -670,7 +711,7 @@ def format_report(rep: dict[str, Any]) -> str:
         f"({rep['block_bytes'] / 2**20:g} MiB each)",
         "",
     ]
-    head = f"{'policy':<14}{'prefix hit':>11}{'/belady':>9}{'tok saved':>12}"
+    head = f"{'policy':<14}{'prefix hit':>11}{'/belady':>9}{'tok saved':>12}{'attn saved':>11}"
     head += "".join(f"{t + ' hit':>10}" for t in tiers)
     head += "".join(f"{t + ' written':>18}" for t in tiers)
     lines.append(head)
@@ -678,7 +719,7 @@ def format_report(rep: dict[str, Any]) -> str:
         row = f"{name:<14}{d['prefix_hit_ratio']:>11.3f}"
         ratio = d.get("ratio_to_belady")
         row += f"{ratio:>9.3f}" if ratio is not None else f"{'-':>9}"
-        row += f"{d['prefill_tokens_saved']:>12,}"
+        row += f"{d['prefill_tokens_saved']:>12,}{d['attention_saved_ratio']:>11.3f}"
         row += "".join(f"{d['tiers'][t]['hit_ratio']:>10.3f}" for t in tiers)
         row += "".join(f"{_gib(d['tiers'][t]['bytes_written']):>18}" for t in tiers)
         lines.append(row)
@@ -687,6 +728,7 @@ def format_report(rep: dict[str, Any]) -> str:
             continue
         d = rep[ref]
         row = f"{ref:<14}{d['prefix_hit_ratio']:>11.3f}{'':>9}{d['prefill_tokens_saved']:>12,}"
+        row += f"{d['attention_saved_ratio']:>11.3f}"
         row += (
             "   (unbounded"
             if ref == "unbounded"

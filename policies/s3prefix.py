@@ -1,0 +1,246 @@
+"""S3-FIFO's probation queue in front of a prefix-aware main queue: O(log n) per operation.
+
+Two things matter on a prefix cache. One-hit wonders (scans, unique user suffixes) must
+not push out chunks that are read again, and a chunk is worth keeping only while every
+chunk before it is cached. The first part comes from S3-FIFO (Yang et al., SOSP'23), the
+second from radix-tree prefix caches (SGLang):
+
+- A new chunk enters the small FIFO queue S (``small_ratio`` of the capacity, 10% as in
+  the paper). When S is over its share, its oldest *leaf* (a chunk with no resident
+  child) leaves: to the main queue M if it was read while in S, otherwise out of the
+  cache, with its key remembered in the ghost queue G.
+- A chunk whose key is in G when it is inserted goes straight to M.
+- M evicts leaves only, least recently used first (``PrefixAware``'s rule), so a
+  document's deep chunks go before the chunks its later requests start with.
+- A chunk that enters M takes its ancestors still in S along: a prefix hit on it reads
+  them too, and S then holds no ancestor of an M chunk.
+
+G holds ``ghost_ratio`` x capacity keys (default 4), where S3-FIFO keeps about |M|. G is
+keys only (tens of bytes each, against MiBs per KV chunk), and KV reuse distances are
+long: a document asked about again after thousands of other requests must still be
+recognised as seen before, or it re-enters S and leaves before its next use.
+
+Leaves sit in two min-heaps, ``(tick, key)``, with lazy deletion: an item is live if the
+key is in that queue with that tick and has no tracked child. Ticks are insertion order
+in S and last access in M. Moving a chunk to M happens once per residency, so the
+promotions ``victim()`` performs are amortised O(log n). Pins: the hierarchy removes a
+pinned chunk from the policy; it comes back on unpin with its queue and read bit.
+
+Capacity (entries) is ``capacity_hint`` if given, else the largest resident count seen.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+from policies._util import DEFAULT_DETACHED, Detached, compact_due
+from policies.base import EntryInfo, EvictionPolicy
+
+
+class S3Prefix(EvictionPolicy):
+    name = "s3prefix"
+
+    def __init__(
+        self,
+        capacity_hint: int | None = None,
+        small_ratio: float = 0.1,
+        ghost_ratio: float = 4.0,
+    ) -> None:
+        if capacity_hint is not None and capacity_hint < 1:
+            raise ValueError("s3prefix capacity_hint must be >= 1")
+        if not 0.0 < small_ratio < 1.0:
+            raise ValueError("s3prefix small_ratio must be in (0, 1)")
+        if ghost_ratio < 0.0:
+            raise ValueError("s3prefix ghost_ratio must be >= 0")
+        self.capacity_hint = capacity_hint
+        self.small_ratio = small_ratio
+        self.ghost_ratio = ghost_ratio
+        self._small: dict[str, int] = {}  # key -> insertion tick
+        self._main: dict[str, int] = {}  # key -> last access tick
+        self._read: set[str] = set()  # S chunks read since insertion
+        self._parent: dict[str, str | None] = {}
+        self._children: dict[str, int] = {}  # parent key -> tracked children
+        self._sheap: list[tuple[int, str]] = []
+        self._mheap: list[tuple[int, str]] = []
+        self._ghost: OrderedDict[str, None] = OrderedDict()
+        self._tick = 0
+        self._peak = 0
+        self._pending: str | None = None
+        # key -> (in M, read while in S)
+        self._detached: Detached[tuple[bool, bool]] = Detached(
+            max(DEFAULT_DETACHED, capacity_hint or 0)
+        )
+
+    # ------------------------------------------------------------ introspection
+
+    @property
+    def capacity(self) -> int:
+        return self.capacity_hint if self.capacity_hint is not None else max(1, self._peak)
+
+    @property
+    def small_target(self) -> int:
+        return max(1, int(self.small_ratio * self.capacity))
+
+    @property
+    def ghost_limit(self) -> int:
+        return int(self.ghost_ratio * self.capacity)
+
+    def queue_of(self, key: str) -> str | None:
+        """'small', 'main' or 'ghost' (for tests and introspection)."""
+        if key in self._small:
+            return "small"
+        if key in self._main:
+            return "main"
+        if key in self._ghost:
+            return "ghost"
+        return None
+
+    def ghost_size(self) -> int:
+        return len(self._ghost)
+
+    def is_leaf(self, key: str) -> bool:
+        return key in self._parent and self._children.get(key, 0) == 0
+
+    # ------------------------------------------------------------ heaps
+
+    def _push(self, key: str) -> None:
+        """Offer ``key`` to its queue's leaf heap (no-op unless it is a leaf)."""
+        if self._children.get(key, 0):
+            return
+        if key in self._main:
+            heap, queue = self._mheap, self._main
+        elif key in self._small:
+            heap, queue = self._sheap, self._small
+        else:
+            return
+        heapq.heappush(heap, (queue[key], key))
+        if compact_due(len(heap), len(queue)):
+            heap[:] = [(t, k) for k, t in queue.items() if not self._children.get(k, 0)]
+            heapq.heapify(heap)
+
+    def _top(self, heap: list[tuple[int, str]], queue: dict[str, int]) -> str | None:
+        """The live leaf with the smallest tick, dropping stale items."""
+        children = self._children
+        while heap:
+            t, key = heap[0]
+            if queue.get(key) == t and not children.get(key, 0):
+                return key
+            heapq.heappop(heap)
+        return None
+
+    # ------------------------------------------------------------ tree
+
+    def _link(self, key: str, parent: str | None) -> None:
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+
+    def _unlink(self, key: str) -> None:
+        parent = self._parent.pop(key)
+        if parent is None:
+            return
+        left = self._children[parent] - 1
+        if left:
+            self._children[parent] = left
+        else:
+            del self._children[parent]
+            self._push(parent)
+
+    def _to_main(self, key: str) -> None:
+        """Move ``key`` and its ancestors still in S to M."""
+        while key in self._small:
+            del self._small[key]
+            self._read.discard(key)
+            self._tick += 1
+            self._main[key] = self._tick
+            self._push(key)
+            parent = self._parent[key]
+            if parent is None:
+                return
+            key = parent
+
+    # ------------------------------------------------------------ interface
+
+    def on_insert(self, key: str, size: int, info: EntryInfo | None = None) -> None:
+        parent = info.parent if info is not None else None
+        if parent == key:
+            parent = None
+        if key in self._parent:
+            if info is not None and parent != self._parent[key]:
+                self._unlink(key)
+                self._link(key, parent)
+            self.on_access(key)
+            return
+        self._link(key, parent)
+        self._tick += 1
+        state = self._detached.pop(key)
+        if state is None and key in self._ghost:
+            del self._ghost[key]
+            state = (True, False)
+        if state is not None and state[0]:
+            self._small[key] = self._tick  # _to_main takes it (and S ancestors) to M
+            self._to_main(key)
+        else:
+            self._small[key] = self._tick
+            if state is not None and state[1]:
+                self._read.add(key)
+            self._push(key)
+        self._peak = max(self._peak, len(self._parent))
+
+    def on_access(self, key: str) -> None:
+        if key in self._main:
+            self._tick += 1
+            self._main[key] = self._tick
+            self._push(key)
+        elif key in self._small:
+            self._read.add(key)
+        else:
+            state = self._detached.get(key)
+            if state is not None:  # read while pinned
+                self._detached.put(key, (state[0], True))
+
+    def on_remove(self, key: str) -> None:
+        if key in self._small:
+            del self._small[key]
+            in_main = False
+        elif key in self._main:
+            del self._main[key]
+            in_main = True
+        else:
+            return
+        was_read = key in self._read
+        self._read.discard(key)
+        self._unlink(key)
+        if key != self._pending:
+            self._detached.put(key, (in_main, was_read))
+        elif not in_main and self.ghost_limit:
+            self._ghost[key] = None
+            self._ghost.move_to_end(key)
+            while len(self._ghost) > self.ghost_limit:
+                self._ghost.popitem(last=False)
+        self._pending = None
+
+    def victim(self) -> str | None:
+        small, main = self._small, self._main
+        while small and (len(small) >= self.small_target or not main):
+            key = self._top(self._sheap, small)
+            if key is None:
+                break
+            if key not in self._read:
+                self._pending = key
+                return key
+            self._to_main(key)
+        key = self._top(self._mheap, main)
+        if key is None:
+            key = self._top(self._sheap, small)
+        if key is None and self._parent:  # only reachable with a parent cycle (bad input)
+            key = min(self._parent, key=lambda k: small.get(k, main.get(k, 0)))
+        self._pending = key
+        return key
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._parent
+
+    def __len__(self) -> int:
+        return len(self._parent)
