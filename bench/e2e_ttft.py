@@ -10,7 +10,8 @@ connector is configured). Cases:
   DRAM pool; page cache warm, and cold when the machine lets us drop it), via a peer
   agent (another node's agent over TCP), via S3 (a node with only S3 in common);
 - vLLM's ExampleConnector doing the same handoff (files in page cache);
-- LMCache MP (L1 hit; ``fs`` L2 hit after a server restart) when lmcache is installed.
+- LMCache MP (L1 hit over shared memory; ``fs`` L2 hit after a server restart; our L2
+  adapter hit after a server restart) when lmcache is installed.
 
 ``--quick --json`` prints one JSON object as its last line, with ``"ratios"``.
 """
@@ -149,6 +150,80 @@ def measure(
     return {"ttft_s": statistics.median(times), "runs_s": times, "cached_tokens": cached}
 
 
+_LMCACHE_SERVERS: list[Any] = []
+
+
+def start_lmcache(
+    work: Path, procs: list[subprocess.Popen[bytes]], store: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Two ``lmcache server``s (L1 in shared memory): one with LMCache's own ``fs`` L2, one
+    with our L2 adapter on node-a's agent. None when lmcache is not installed."""
+    try:
+        import lmcache  # noqa: F401
+
+        from tiered_cache.lmcache_launch import LMCacheServer, tiered_l2_adapter
+    except ImportError:
+        return None
+    out: dict[str, Any] = {}
+    for name, l2 in (
+        ("fs", {"type": "fs", "base_path": str(work / "lmcache-fs")}),
+        ("ours", tiered_l2_adapter(store)),
+    ):
+        out[name] = LMCacheServer(
+            work / f"lmcache-{name}.log",
+            l2_adapters=[l2],
+            l1_size_gb=1.0,
+            extra_args=["--shm-name", f"tcb_lm_{name}_{uuid.uuid4().hex[:8]}"],
+            env=dict(THREADS_ENV),
+        )
+    say("starting 2 lmcache servers (fs L2, our L2)")
+    for srv in out.values():
+        _LMCACHE_SERVERS.append(srv)  # stopped by main() whatever happens
+        srv.start()
+    for srv in out.values():
+        srv.wait_ready(180)
+    return out
+
+
+def measure_lmcache(
+    lm: dict[str, Any], prompt: list[int], runs: int, warm: list[int], cases: dict[str, Any]
+) -> None:
+    """LMCache MP: an L1 hit, then L2 hits after a server restart (L1 lost) from its ``fs``
+    adapter (page cache warm) and from our tiers through our adapter."""
+    fs, fs_vllm = lm["fs"], lm["fs_vllm"]
+    ours, ours_vllm = lm["ours"], lm["ours_vllm"]
+
+    def restarted(server: Any, v: VllmServer) -> Callable[[], None]:
+        def go() -> None:
+            server.restart(180)
+            # vLLM re-registers its KV caches on the next heartbeat (1 s here); untimed.
+            time.sleep(2.5)
+            v.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
+
+        return go
+
+    say("LMCache MP: store, L1 hits, then fs L2 hits after server restarts")
+    cases["lmcache_store"] = measure(fs_vllm, prompt, 1)
+    time.sleep(1.0)  # the store is asynchronous on the server side
+    cases["lmcache_mp_l1_hit"] = measure(fs_vllm, prompt, runs)
+    cases["lmcache_mp_l2_fs_hit"] = measure(fs_vllm, prompt, runs, before=restarted(fs, fs_vllm))
+    cases["lmcache_mp_l2_fs_hit"]["page_cache"] = "warm"
+    say("LMCache MP with our L2 adapter: store, then L2 hits after server restarts")
+    cases["lmcache_ours_store"] = measure(ours_vllm, prompt, 1)
+    time.sleep(1.0)
+    cases["lmcache_mp_l2_ours_hit"] = measure(
+        ours_vllm, prompt, runs, before=restarted(ours, ours_vllm)
+    )
+    for name in ("lmcache_mp_l1_hit", "lmcache_mp_l2_fs_hit", "lmcache_mp_l2_ours_hit"):
+        cached = cases[name]["cached_tokens"]
+        if not all(cached):
+            cases[name]["warning"] = f"not every run reported cached tokens: {cached}"
+    fs_vllm.stop()
+    ours_vllm.stop()
+    fs.stop()
+    ours.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one timed run per case")
@@ -169,6 +244,8 @@ def main() -> None:
             s.stop()
         for ag in agents:
             ag.stop(signal.SIGKILL)
+        for lms in _LMCACHE_SERVERS:
+            lms.stop()
         for p in procs:
             stop_group(p)
         if not a.workdir:
@@ -315,7 +392,13 @@ def run(
             "kv_connector_extra_config": {"shared_storage_path": str(example_dir)},
         },
     )
-    say("starting 5 vLLM servers (recompute, prefill, decode x2, ExampleConnector)")
+    lm = start_lmcache(work, procs, store_a)
+    if lm is not None:
+        lm["fs_vllm"] = srv("lmcache-fs", lm["fs"].kv_transfer_config(heartbeat_interval_s=1))
+        lm["ours_vllm"] = srv(
+            "lmcache-ours", lm["ours"].kv_transfer_config(heartbeat_interval_s=1)
+        )
+    say(f"starting {len(servers)} vLLM servers")
     t0 = time.monotonic()
     for s in servers:
         s.start()
@@ -342,6 +425,12 @@ def run(
 
     say("DRAM hit (decode on node-a's agent)")
     cases["dram_hit"] = measure(dec_a, prompt, runs)
+
+    if lm is None:
+        for name in ("lmcache_mp_l1_hit", "lmcache_mp_l2_fs_hit", "lmcache_mp_l2_ours_hit"):
+            cases[name] = {"skipped": "lmcache is not installed in this environment"}
+    else:
+        measure_lmcache(lm, prompt, runs, warm, cases)
 
     def fresh(agent: Agent, server: VllmServer) -> Callable[[], None]:
         def go() -> None:
@@ -385,14 +474,6 @@ def run(
     cases["example_store"] = measure(ex, prompt, 1)
     cases["example_hit"] = measure(ex, prompt, runs)
 
-    cases["lmcache_mp_l1_hit"] = {"skipped": "lmcache is not installed in this environment"}
-    cases["lmcache_mp_l2_fs_hit"] = {"skipped": "lmcache is not installed in this environment"}
-    with contextlib.suppress(ImportError):
-        import lmcache  # noqa: F401
-
-        cases["lmcache_mp_l1_hit"] = {"skipped": "LMCache MP case not implemented yet"}
-        cases["lmcache_mp_l2_fs_hit"] = {"skipped": "LMCache MP case not implemented yet"}
-
     def t(name: str) -> float | None:
         v = cases.get(name, {}).get("ttft_s")
         return float(v) if v is not None else None
@@ -411,6 +492,11 @@ def run(
         "s3_hit_vs_recompute": ratio(t("s3_hit"), r),
         "dram_hit_vs_best_peer": ratio(t("dram_hit"), best_peer),
         "nvme_hit_vs_lmcache_l2": ratio(t("nvme_hit_warm"), t("lmcache_mp_l2_fs_hit")),
+        # issue #4: our handoff against LMCache MP on the same prompt
+        "dram_hit_vs_lmcache_l1": ratio(t("dram_hit"), t("lmcache_mp_l1_hit")),
+        "lmcache_ours_l2_vs_lmcache_fs_l2": ratio(
+            t("lmcache_mp_l2_ours_hit"), t("lmcache_mp_l2_fs_hit")
+        ),
     }
     out["best_peer"] = "ExampleConnector" if best_peer == t("example_hit") else "LMCache MP L1"
     return out

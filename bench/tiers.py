@@ -19,65 +19,24 @@ import mmap
 import os
 import platform
 import shutil
-import socket
-import statistics
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import FP, MiB, moto_server
+from _common import bench_keys as _keys
+from _common import chunk_meta as _meta
+from _common import stats as _stats
+from _common import time_calls as _time
+
 from tiered_cache import codec
-from tiered_cache.keys import ModelFingerprint, chunk_keys
-
-MiB = 2**20
-
-
-def _stats(times: list[float], nbytes: int) -> dict[str, float]:
-    s = sorted(times)
-    p99 = s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
-    return {
-        "gbps": nbytes / statistics.median(s) / 1e9,
-        "p50_ms": statistics.median(s) * 1e3,
-        "p99_ms": p99 * 1e3,
-    }
-
-
-def _time(fn: Callable[[int], Any], n: int, warm: int = 2) -> list[float]:
-    for i in range(warm):
-        fn(-1 - i)
-    out = []
-    for i in range(n):
-        t = time.perf_counter()
-        fn(i)
-        out.append(time.perf_counter() - t)
-    return out
-
-
-def _meta(key: str, n: int) -> codec.ChunkMeta:
-    return codec.ChunkMeta(
-        key=key,
-        fingerprint=FP.digest,
-        num_tokens=256,
-        dtype="uint8",
-        shape=(n,),
-        kv_layout="LBHNC",
-        block_size=16,
-    )
-
-
-FP = ModelFingerprint("bench", chunk_size=256, block_size=16)
-
-
-def _keys(n: int, salt: str) -> list[str]:
-    return chunk_keys(np.arange(256 * n), FP, cache_salt=salt)
-
 
 # ---------------------------------------------------------------- DRAM
 
@@ -227,23 +186,10 @@ def bench_nvme(size: int, iters: int, root: Path) -> dict[str, Any]:
 
 def bench_s3(size: int, iters: int) -> dict[str, Any]:
     import boto3
-    from moto.server import ThreadedMotoServer
 
     from tiered_cache.tiers.s3 import S3Tier
 
-    for k, v in (
-        ("AWS_ACCESS_KEY_ID", "bench"),
-        ("AWS_SECRET_ACCESS_KEY", "bench"),
-        ("AWS_DEFAULT_REGION", "us-east-1"),
-    ):
-        os.environ.setdefault(k, v)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with moto_server() as url:
         raw = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
         raw.create_bucket(Bucket="bench")
         rnd = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8)
@@ -271,8 +217,6 @@ def bench_s3(size: int, iters: int) -> dict[str, Any]:
             loop.run_until_complete(tier.close())
         finally:
             loop.close()
-    finally:
-        server.stop()
     total = len(blob)
     pr, gr, ps, gs = (_stats(x, total) for x in (p_ref, g_ref, p, g))
     return {
