@@ -13,21 +13,32 @@ last token; ``kv_both`` does both (offload and reuse its own prefixes).
 
 ``kv_connector_extra_config`` keys (all optional):
 
-``chunk_size`` (256)
+``chunk_size`` (the cache config's, 256)
     tokens per chunk; a multiple of vLLM's KV block size.
+``save_unfull_chunk`` (the cache config's, true)
+    a producer also saves a prompt's last, partial chunk.
 ``load_wait_timeout_s`` (5.0)
     how long a consumer waits for a prefill's chunks to land before it recomputes.
 ``wait_for_prefill`` ("auto")
     ``auto``: wait when the role is ``kv_consumer`` or the request's ``kv_transfer_params``
     say a remote prefill ran; ``true``/``false``: always/never.
-``async_load`` (true)
-    load between scheduler steps (the request waits in ``WAITING_FOR_REMOTE_KVS``);
-    false loads synchronously before the forward pass.
+``async_load`` ("auto")
+    true: load between scheduler steps (the request waits in ``WAITING_FOR_REMOTE_KVS``);
+    false: load synchronously before the forward pass; auto: synchronously when every
+    chunk is in this node's DRAM or NVMe, asynchronously when a peer or S3 serves any.
+``layerwise_save`` (true)
+    with a node agent, copy each layer's blocks into reserved DRAM slots as vLLM reports
+    the layer done, overlapping the rest of the forward pass; false copies every layer at
+    the end of the pass. Either way checksum + commit run on a helper thread afterwards.
 ``model_id``
     model identity in the chunk fingerprint (default: vLLM's model path/name); set it
     when prefill and decode nodes name the same model differently.
 ``load_batch_chunks`` (16), ``max_staging_mb`` (256)
     bound host memory per store call.
+
+Metrics (``tiered_cache_connector_*``) appear on vLLM's own ``/metrics``; see
+``connectors.vllm_metrics``. The connector registers its fingerprint with the node agent
+so that ``tiered-cache pin add --model`` names the keys it writes.
 Anything else (``store_dir``, ``config_file``, ...) goes to ``tiered_cache.client.open_store``.
 
 Invariants: a chunk is loaded only after the store verified it (key, model fingerprint,
@@ -68,8 +79,15 @@ from connectors.vllm_kvio import (
     payload_tensor,
 )
 from connectors.vllm_kvio import chunk_spans as _chunk_spans
+from connectors.vllm_metrics import (
+    StatsRecorder,
+    TieredCacheConnectorStats,
+    TieredCachePromMetrics,
+    farthest,
+)
 from tiered_cache import keys as tc_keys
 from tiered_cache.api import ChunkStore
+from tiered_cache.client import SlotReservation
 from tiered_cache.codec import ChunkMeta
 
 try:  # 0.32+: per-tier hit accounting
@@ -79,6 +97,12 @@ except ImportError:  # pragma: no cover - older vLLM
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -119,7 +143,8 @@ class LoadChunk:
     n_blocks: int
     lo: int
     block_ids: list[int]
-    source: str = ""
+    source: str = ""  # where the scheduler's lookup found it
+    tokens: int = 0  # prompt tokens this load provides to the request
 
 
 @dataclass
@@ -153,6 +178,20 @@ class _Match:
 
 
 @dataclass
+class _StepSave:
+    """One step's save: chunks (save, key, parent), and, on the zero-copy path, their
+    reserved slots, destination tensors ([L, n, *block] over each slot) and block indexes."""
+
+    todo: list[tuple[SaveChunk, str, str | None]]
+    res: SlotReservation | None
+    dests: list[torch.Tensor]
+    idx: list[torch.Tensor]
+    layers: set[int] = field(default_factory=set)  # layers whose copy was submitted
+    copies: list[Future[None]] = field(default_factory=list)
+    t0: float = 0.0
+
+
+@dataclass
 class _ReqState:
     req_id: str
     prompt: list[int]
@@ -169,6 +208,10 @@ class _Identity:
     kv_layout: str  # header field (<= 8 bytes)
     block_size: int
     dtype: str
+
+
+# Sources a load reads in milliseconds: loaded inside the forward pass under "auto".
+_LOCAL_SOURCES = frozenset({"dram", "nvme"})
 
 
 def _as_bool(v: Any) -> bool:
@@ -262,10 +305,27 @@ class TieredCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         ktc = self._kv_transfer_config
         self._extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})
+        # The cache config (config_file, inline tiered_cache, or LMCache's YAML through
+        # LMCACHE_CONFIG_FILE) gives chunk_size and save_unfull_chunk unless set here.
+        from tiered_cache.client import config_from_extra
+
+        cache_cfg = config_from_extra(self._extra)
+        self._extra.setdefault("chunk_size", cache_cfg.chunk_size)
+        self._save_unfull = _as_bool(
+            self._extra.get("save_unfull_chunk", cache_cfg.save_unfull_chunk)
+        )
         self._save_enabled = bool(ktc.is_kv_producer)
         self._load_enabled = bool(ktc.is_kv_consumer)
         self._role_name = str(ktc.kv_role)
-        self._async_load = _as_bool(self._extra.get("async_load", True))
+        # "auto": load synchronously (inside the forward pass) when every chunk is in this
+        # node's DRAM or NVMe, which costs milliseconds, and asynchronously otherwise, so a
+        # slow peer or S3 pull never stalls other requests' steps. An async load costs at
+        # least one extra engine step before the request can run.
+        mode = str(self._extra.get("async_load", "auto")).strip().lower()
+        if mode not in ("auto", "1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"async_load must be auto, true or false, got {mode!r}")
+        self._async_mode = mode if mode == "auto" else str(_as_bool(mode)).lower()
+        self._async_load = self._async_mode != "false"
         self._wait_timeout = float(self._extra.get("load_wait_timeout_s", 5.0))
         self._poll_s = float(self._extra.get("lookup_poll_s", 0.02))
         self._wait_mode = str(self._extra.get("wait_for_prefill", "auto")).lower()
@@ -285,6 +345,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._logged: set[str] = set()
         self._store: ChunkStore | None = None
         self._store_lock = threading.Lock()
+        self._stats = StatsRecorder()
 
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
@@ -294,11 +355,20 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._pending_loads: list[LoadJob] = []
         self._planned: dict[str, set[int]] = {}  # req -> blocks its load writes
         self._no_reload: set[str] = set()  # reqs whose load failed
+        self._looked_up: set[str] = set()  # reqs counted in the lookups metric
 
         # worker side
         self._kv: PagedKV | None = None
         self._save_staging: HostStaging | None = None
         self._loader: ThreadPoolExecutor | None = None
+        # Saves: layer copies into reserved DRAM slots overlap the forward pass; checksum +
+        # commit run after it on another thread.
+        self._layerwise = _as_bool(self._extra.get("layerwise_save", True))
+        self._step_save: _StepSave | None = None
+        self._copy_pool: ThreadPoolExecutor | None = None
+        self._finish_pool: ThreadPoolExecutor | None = None
+        self._pending_commits: list[Future[None]] = []
+        self._save_stream: Any = None
         self._inflight: dict[str, Future[set[int]]] = {}
         self._load_errors: set[int] = set()
 
@@ -311,7 +381,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
             self._block_size,
             self._fp.kv_layout,
             self._id.dtype,
-            self._async_load,
+            self._async_mode,
             self._wait_mode,
             self._wait_timeout,
             self._fp.hex,
@@ -336,7 +406,29 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 from tiered_cache.client import open_store
 
                 self._store = open_store(self._extra)
+                self._register_fingerprint(self._store)
             return self._store
+
+    def _register_fingerprint(self, store: ChunkStore) -> None:
+        """Tell the node agent (and through it the directory) which fingerprint this
+        process writes under: `pin add --model` cannot guess the KV layout or block size."""
+        register = getattr(store, "register_model", None)
+        if not callable(register):
+            return
+        mc = self._vllm_config.model_config
+        served = getattr(mc, "served_model_name", None)
+        names = [served] if isinstance(served, str) else list(served or [])
+        aliases = sorted({str(mc.model), *map(str, names)} - {self._fp.model_id})
+        try:
+            register(
+                {
+                    **dataclasses.asdict(self._fp),
+                    "aliases": aliases,
+                    "tokenizer": getattr(mc, "tokenizer", None),
+                }
+            )
+        except Exception as e:  # pins by --model need it; serving does not
+            self._log_once("register", "tiered cache: fingerprint not registered: %r", e)
 
     def _log_once(self, tag: str, msg: str, *args: Any) -> None:
         if tag not in self._logged:
@@ -389,6 +481,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         try:
             return list(self._open_store().lookup(keys))
         except Exception as e:  # a broken store is a miss, never a crash
+            self._stats.inc("store_errors", "lookup")
             self._log_once(f"lookup:{type(e).__name__}", "tiered cache lookup failed: %r", e)
             return []
 
@@ -422,6 +515,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
             if now - t0 < self._wait_timeout:
                 self._matches[rid] = _Match(at, num_computed_tokens, sources, 0)
                 return None, False
+            if f"waited:{rid}" not in self._logged:
+                self._stats.inc("recompute_fallbacks", "deadline")
             self._log_once(
                 f"waited:{rid}",
                 "req %s: waited %.1fs for its prefill; %d/%d chunks present, recomputing the rest",
@@ -433,9 +528,17 @@ class TieredCacheConnector(KVConnectorBase_V1):
         hit_end = min(spans[hit - 1].end, n - 1) if hit else 0
         self._matches[rid] = _Match(at, num_computed_tokens, sources, hit_end)
         ext = hit_end - num_computed_tokens
+        if rid not in self._looked_up:  # once per request, not per poll or preemption
+            self._looked_up.add(rid)
+            self._stats.inc("lookups", "hit" if ext > 0 else "miss")
         if ext <= 0:
             return 0, False
-        return ext, self._async_load
+        return ext, self._load_is_async(sources)
+
+    def _load_is_async(self, sources: Sequence[str]) -> bool:
+        if self._async_mode == "auto":
+            return any(s not in _LOCAL_SOURCES for s in sources)
+        return self._async_load
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -478,6 +581,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         for r in ranges:
             s = r.span
             src = m.sources[s.index]
+            ntok = max(0, min(s.end, end) - max(s.start, start))
             chunks.append(
                 LoadChunk(
                     index=s.index,
@@ -487,10 +591,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
                     lo=r.lo - s.first_block,
                     block_ids=st.block_ids[r.lo : r.hi],
                     source=src,
+                    tokens=ntok,
                 )
             )
-            ntok = min(s.end, end) - max(s.start, start)
-            by_source[src] = by_source.get(src, 0) + max(0, ntok)
+            by_source[src] = by_source.get(src, 0) + ntok
         if ranges and len(st.block_ids) < ranges[-1].hi:
             # Cannot happen (vLLM allocates blocks for every token it schedules); a load
             # into missing blocks could not report its failure, so refuse loudly.
@@ -501,21 +605,23 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._hit_sources[rid] = by_source
         self._planned[rid] = {b for c in chunks for b in c.block_ids}
         st.next_save = max(st.next_save, max((c.index + 1 for c in chunks), default=0))
+        is_async = self._load_is_async([c.source for c in chunks])
         job = LoadJob(
             rid,
             chunks,
-            self._async_load,
+            is_async,
             num_external_tokens,
             token_ids=st.prompt if self._tp_world > 1 else None,
             cache_salt=st.salt if self._tp_world > 1 else None,
         )
         self._pending_loads.append(job)
         logger.info(
-            "req %s: loading %d of %d prompt tokens from the tiered cache (%s) in %d chunks: %s",
+            "req %s: loading %d of %d prompt tokens from the tiered cache (%s) in %d chunks, "
+            "found in %s",
             rid,
             num_external_tokens,
             len(st.prompt),
-            "async" if self._async_load else "sync",
+            "async" if is_async else "sync",
             len(chunks),
             ",".join(c.source for c in chunks),
         )
@@ -579,6 +685,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
             s = st.spans[st.next_save]
             if s.end > min(computed, n) or s.end_block > len(st.block_ids):
                 break
+            if s.num_tokens < self._chunk_size and not self._save_unfull:
+                break  # the partial tail chunk stays out of the cache
             meta.saves.append(
                 SaveChunk(
                     st.req_id,
@@ -604,6 +712,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._hit_sources.pop(rid, None)
         self._planned.pop(rid, None)
         self._no_reload.discard(rid)
+        self._looked_up.discard(rid)
         self._logged.discard(f"waited:{rid}")
         params: dict[str, Any] | None = None
         if self._save_enabled and st is not None:
@@ -647,6 +756,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
             )
         self._kv = kv
         self._save_staging = HostStaging(pin=not kv.on_host)
+        if kv.device.type == "cuda":
+            self._save_stream = torch.cuda.Stream(kv.device)
         self._open_store()
         logger.info(
             "TieredCacheConnector: %d layers, %d blocks of %s %s (%d B/block/layer) on %s",
@@ -687,6 +798,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
             return self._load_job(job)
         except Exception as e:
             logger.exception("req %s: tiered cache load failed: %r", job.req_id, e)
+            self._stats.inc("store_errors", "load")
+            self._stats.inc("recompute_fallbacks", "load_error")
             return {b for c in job.chunks for b in c.block_ids}
 
     def _check_meta(self, meta: ChunkMeta, c: LoadChunk, kv: PagedKV) -> str | None:
@@ -717,17 +830,20 @@ class TieredCacheConnector(KVConnectorBase_V1):
         stream = kv.side_stream()
         pinned = HostStaging(pin=True) if not kv.on_host else None
         reasons: dict[int, str] = {}
+        kinds: dict[int, str] = {}  # recompute_fallbacks reason of a refused chunk
+        nbytes: dict[int, int] = {}
         chunks: list[LoadChunk] = []  # the batch being fetched
 
         def sink(i: int, meta: ChunkMeta, payload: memoryview) -> None:
             c = chunks[i]
+            nbytes[i] = payload.nbytes
             if reasons and min(reasons) < i:
                 reasons[i] = "an earlier chunk failed"
                 return
             try:
                 bad = self._check_meta(meta, c, kv)
                 if bad is not None:
-                    reasons[i] = bad
+                    reasons[i], kinds[i] = bad, "layout_mismatch"
                     return
                 src = payload_tensor(payload, kv.dtype, kv.payload_shape(c.n_blocks))
                 src = src[:, c.lo : c.lo + len(c.block_ids)]
@@ -743,16 +859,27 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 else:
                     kv.scatter(c.block_ids, src)
             except Exception as e:  # never let a bad chunk take the engine down
-                reasons[i] = f"copy failed: {e!r}"
+                reasons[i], kinds[i] = f"copy failed: {e!r}", "copy_error"
 
+        served: list[str] = []  # the tier that served each loaded chunk
         failed_at: int | None = None
         for b0 in range(0, len(job.chunks), self._load_batch):
             chunks[:] = job.chunks[b0 : b0 + self._load_batch]
-            ok = _fetch(store, keys[b0 : b0 + self._load_batch], digest, sink)
+            ok, sources, refused = _fetch(store, keys[b0 : b0 + self._load_batch], digest, sink)
             for i, c in enumerate(chunks):
                 if ok[i] and i not in reasons:
+                    tier = sources[i] or c.source or "unknown"
+                    served.append(tier)
+                    self._stats.inc("loaded_chunks", tier)
+                    self._stats.inc("loaded_bytes", tier, nbytes.get(i, 0))
+                    if self._tp_rank == 0:  # every rank loads the same tokens
+                        self._stats.inc("hit_tokens", tier, c.tokens)
                     continue
-                why = reasons.get(i, "missing, or failed verification in the store")
+                kind = kinds.get(i) or _REFUSED.get(refused.get(i, ""), "missing")
+                why = reasons.get(i) or _WHY[kind]
+                self._stats.inc("recompute_fallbacks", kind)
+                if kind == "layout_mismatch":
+                    self._stats.inc("layout_mismatches")
                 self._log_once(
                     f"loadfail:{why[:40]}",
                     "tiered cache: chunk %s (req %s, #%d) not loaded: %s; vLLM recomputes it",
@@ -761,6 +888,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 failed_at = b0 + i
                 break
             reasons.clear()
+            kinds.clear()
+            nbytes.clear()
             if failed_at is not None:
                 break
         failed: set[int] = set()
@@ -768,15 +897,17 @@ class TieredCacheConnector(KVConnectorBase_V1):
             for c in job.chunks[failed_at:]:
                 failed.update(c.block_ids)
         n_ok = len(job.chunks) if failed_at is None else failed_at
-        dt = (time.perf_counter() - t0) * 1000
+        dt = time.perf_counter() - t0
+        if served:
+            self._stats.observe("load_seconds", farthest(set(served)), dt)
         logger.info(
             "req %s: loaded %d/%d chunks (%d tokens planned) from %s in %.1f ms%s",
             job.req_id,
             n_ok,
             len(job.chunks),
             job.num_tokens,
-            ",".join(c.source for c in job.chunks[:n_ok]) or "-",
-            dt,
+            _tier_counts(served),
+            dt * 1000,
             f"; {len(failed)} blocks to recompute" if failed else "",
         )
         return failed
@@ -810,25 +941,97 @@ class TieredCacheConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # whole chunks are copied once, in wait_for_save
+        """Copy this layer's blocks of the step's finished chunks straight into reserved
+        DRAM slots on a helper thread, while the next layers compute."""
+        kv = self._kv
+        if not self._layerwise or kv is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
+            return
+        st = self._step_save
+        if st is None:
+            try:
+                st = self._step_save = self._begin_save(meta)
+            except Exception as e:  # wait_for_save retries the whole save
+                self._log_once(f"begin:{type(e).__name__}", "layer-wise save off: %r", e)
+                self._step_save = _StepSave([], None, [], [])
+                return
+        li = kv.layer_index(layer_name)
+        if st.res is None or li is None or li in st.layers:
+            return
+        st.layers.add(li)
+        ev: Any = None
+        if not kv.on_host:  # the copy must follow this layer's kernels on the compute stream
+            ev = torch.cuda.Event()
+            ev.record()
+        st.copies.append(self._copier().submit(self._copy_layer, st, li, ev))
+
+    def _copier(self) -> ThreadPoolExecutor:
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="tc-save-copy")
+        return self._copy_pool
+
+    def _finisher(self) -> ThreadPoolExecutor:
+        if self._finish_pool is None:
+            self._finish_pool = ThreadPoolExecutor(1, thread_name_prefix="tc-save-commit")
+        return self._finish_pool
+
+    def _copy_layer(self, st: _StepSave, li: int, ev: Any) -> None:
+        # The destinations were made inside vLLM's inference mode; writing them from
+        # another thread needs that mode there too.
+        with torch.inference_mode():
+            self._copy_layer_inner(st, li, ev)
+
+    def _copy_layer_inner(self, st: _StepSave, li: int, ev: Any) -> None:
+        kv = self._kv
+        assert kv is not None
+        stream = self._save_stream
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ev)
+                for idx, dst in zip(st.idx, st.dests, strict=True):
+                    kv.gather_layer(li, idx, dst[li])
+        else:
+            for idx, dst in zip(st.idx, st.dests, strict=True):
+                kv.gather_layer(li, idx, dst[li])
 
     def wait_for_save(self) -> None:
+        st, self._step_save = self._step_save, None
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
             return
         try:
-            self._save(meta)
+            if st is None or st.res is None:
+                st = self._begin_save(meta)
+            if st.res is not None:
+                try:
+                    self._finish_copies(st)
+                    return
+                except Exception as e:  # the staged path below still saves the chunks
+                    with contextlib.suppress(Exception):
+                        self._open_store().abort_reservation(st.res)  # type: ignore[attr-defined]
+                    self._stats.inc("store_errors", "save")
+                    self._log_once(
+                        f"zerocopy:{type(e).__name__}",
+                        "tiered cache zero-copy save failed (%r); using staged saves", e,
+                    )
+                    logger.debug("zero-copy save failure", exc_info=True)
+                    st.res = None
+            self._save_staged(st)
         except Exception as e:  # a failed save is a future miss, not an engine crash
+            self._stats.inc("store_errors", "save")
             logger.exception("tiered cache save failed: %r", e)
 
-    def _save(self, meta: TieredCacheConnectorMetadata) -> None:
-        kv, staging = self._kv, self._save_staging
-        if kv is None or staging is None:
+    def _begin_save(self, meta: TieredCacheConnectorMetadata) -> _StepSave:
+        """The step's chunks to save (deduplicated), with DRAM slots reserved for them when
+        the store takes zero-copy puts and they all fit."""
+        kv = self._kv
+        if kv is None:
             raise RuntimeError("KV caches were not registered")
         store = self._open_store()
-        t0 = time.perf_counter()
         seen: set[str] = set()
         todo: list[tuple[SaveChunk, str, str | None]] = []
         for s in meta.saves:
@@ -840,8 +1043,91 @@ class TieredCacheConnector(KVConnectorBase_V1):
             if key not in seen:
                 seen.add(key)
                 todo.append((s, key, parent))
+        st = _StepSave(todo, None, [], [], t0=time.perf_counter())
+        reserve = getattr(store, "reserve_payloads", None)
+        if reserve is None or not todo:
+            return st
+        sizes = [kv.payload_nbytes(len(s.block_ids)) for s, _, _ in todo]
+        res = reserve(sizes)
+        if res is None:
+            return st  # no room for all of them in DRAM: the staged path copes
+        st.res = res
+        st.dests = [
+            payload_tensor(v, kv.dtype, kv.payload_shape(len(s.block_ids)))
+            for v, (s, _, _) in zip(res.views, todo, strict=True)
+        ]
+        st.idx = [kv.index(s.block_ids) for s, _, _ in todo]
+        return st
+
+    def _finish_copies(self, st: _StepSave) -> None:
+        """Join the layer copies (copying any layer the model never reported), then hand
+        checksum + commit to a helper thread: vLLM may reuse the blocks once this returns."""
+        kv = self._kv
+        assert kv is not None and st.res is not None
+        for f in st.copies:
+            f.result()
+        with torch.inference_mode():
+            for li in range(kv.num_layers):
+                if li not in st.layers:
+                    for idx, dst in zip(st.idx, st.dests, strict=True):
+                        kv.gather_layer(li, idx, dst[li])
+        if self._save_stream is not None:
+            self._save_stream.synchronize()
+        kv.synchronize()
+        store = self._open_store()
+        metas = [self._chunk_meta(s, key) for s, key, _ in st.todo]
+        parents = [p for _, _, p in st.todo]
+        nbytes = sum(v.nbytes for v in st.res.views)
+        res = st.res
+
+        def commit() -> None:
+            try:
+                store.commit_payloads(res, metas, parents)  # type: ignore[attr-defined]
+            except Exception as e:
+                self._stats.inc("store_errors", "save")
+                self._log_once(f"commit:{type(e).__name__}", "tiered cache save failed: %r", e)
+
+        # Counted now, not in commit(): vLLM collects stats once per engine step, and a
+        # prefill-only request has no later step to carry them (a failed commit is counted
+        # in store_errors).
+        self._saved(len(metas), nbytes, time.perf_counter() - st.t0)
+        self._pending_commits = [f for f in self._pending_commits if not f.done()]
+        self._pending_commits.append(self._finisher().submit(commit))
+
+    def drain_saves(self, timeout: float | None = None) -> None:
+        """Wait for saves handed to the commit thread (shutdown, tests)."""
+        for f in list(self._pending_commits):
+            with contextlib.suppress(Exception):
+                f.result(timeout)
+        self._pending_commits.clear()
+
+    def _chunk_meta(self, s: SaveChunk, key: str) -> ChunkMeta:
+        kv = self._kv
+        assert kv is not None
+        return ChunkMeta(
+            key=key,
+            fingerprint=self._fp.digest,
+            num_tokens=s.num_tokens,
+            dtype=dtype_name(kv.dtype),
+            shape=kv.payload_shape(len(s.block_ids)),
+            kv_layout=self._id.kv_layout,
+            block_size=self._block_size,
+        )
+
+    def _saved(self, n: int, nbytes: int, dt: float) -> None:
+        self._stats.inc("stored_chunks", "", n)
+        self._stats.inc("stored_bytes", "", nbytes)
+        self._stats.observe("store_seconds", "", dt)
+        logger.debug("saved %d chunks (%.1f MiB) in %.1f ms", n, nbytes / 2**20, dt * 1000)
+
+    def _save_staged(self, st: _StepSave) -> None:
+        """Gather into host staging, then ``put_many`` (any ChunkStore), synchronously."""
+        kv, staging = self._kv, self._save_staging
+        if kv is None or staging is None:
+            raise RuntimeError("KV caches were not registered")
+        store = self._open_store()
         nbytes_total = 0
-        for batch in _batches(todo, lambda t: kv.payload_nbytes(len(t[0].block_ids)),
+        for batch in _batches(st.todo, lambda t: kv.payload_nbytes(len(t[0].block_ids)),
                               self._max_staging):
             need = sum(kv.payload_nbytes(len(t[0].block_ids)) for t in batch)
             buf = staging.reserve(need)
@@ -852,16 +1138,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 n = kv.payload_nbytes(nb)
                 flat = buf[off : off + n]
                 kv.gather(s.block_ids, flat.view(kv.dtype).view(kv.payload_shape(nb)))
-                cm = ChunkMeta(
-                    key=key,
-                    fingerprint=self._fp.digest,
-                    num_tokens=s.num_tokens,
-                    dtype=dtype_name(kv.dtype),
-                    shape=kv.payload_shape(nb),
-                    kv_layout=self._id.kv_layout,
-                    block_size=self._block_size,
-                )
-                items.append((cm, flat.numpy().data))
+                items.append((self._chunk_meta(s, key), flat.numpy().data))
                 off += n
             kv.synchronize()
             # put_many returns once the bytes are copied out of staging.
@@ -870,12 +1147,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
             else:
                 store.put_many(items)
             nbytes_total += off
-        logger.debug(
-            "saved %d chunks (%.1f MiB) in %.1f ms",
-            len(todo),
-            nbytes_total / 2**20,
-            (time.perf_counter() - t0) * 1000,
-        )
+        self._saved(len(st.todo), nbytes_total, time.perf_counter() - st.t0)
 
     _parents_ok: bool | None = None
 
@@ -889,9 +1161,37 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 self._parents_ok = False
         return self._parents_ok
 
+    # -- metrics (both sides; vLLM aggregates them and exports them on its /metrics)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return TieredCacheConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return TieredCachePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
     # -- lifecycle
 
     def shutdown(self) -> None:
+        self.drain_saves(timeout=60)
+        for pool in (self._copy_pool, self._finish_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._copy_pool = self._finish_pool = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
@@ -914,19 +1214,45 @@ def _tp_rank() -> int:
         return 0
 
 
+# How a store's refusal ("mismatch", "verification": see client.LoadReport) is counted.
+_REFUSED = {"mismatch": "layout_mismatch", "verification": "verification"}
+_WHY = {
+    "missing": "missing (evicted since the lookup, or failed verification in the store)",
+    "verification": "failed verification (damaged payload)",
+    "layout_mismatch": "written under another key or fingerprint",
+}
+
+
+def _tier_counts(tiers: Sequence[str]) -> str:
+    """``dram`` or ``dram:2,nvme:1``: which tiers served a request's chunks."""
+    counts: dict[str, int] = {}
+    for t in tiers:
+        counts[t] = counts.get(t, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ",".join(f"{t}:{n}" for t, n in counts.items()) or "-"
+
+
 def _fetch(
     store: ChunkStore,
     keys: Sequence[str],
     fingerprint: bytes,
     sink: Callable[[int, ChunkMeta, memoryview], None],
-) -> list[bool]:
-    """Hand each verified chunk to ``sink``; returns which keys were delivered.
+) -> tuple[list[bool], list[str], dict[int, str]]:
+    """Hand each verified chunk to ``sink``. Returns which keys were delivered, the source
+    that served each ("" when the store does not say) and why returned chunks were refused.
 
-    Uses the store's zero-copy ``load_many`` when it has one, else ``get_many``.
+    Uses the store's zero-copy ``load_report``/``load_many`` when it has one, else
+    ``get_many``.
     """
+    load_report = getattr(store, "load_report", None)
+    if callable(load_report):
+        rep = load_report(keys, fingerprint, sink)
+        return list(rep.ok), list(rep.sources), dict(rep.failures)
+    none = [""] * len(keys)
     load_many = getattr(store, "load_many", None)
     if callable(load_many):
-        return list(load_many(keys, fingerprint, sink))
+        return list(load_many(keys, fingerprint, sink)), none, {}
     got = store.get_many(keys, fingerprint)
     ok = [False] * len(keys)
     for i, item in enumerate(got):
@@ -934,7 +1260,7 @@ def _fetch(
             break  # vLLM recomputes from the first failed block on: skip the rest
         sink(i, item[0], item[1])
         ok[i] = True
-    return ok
+    return ok, none, {}
 
 
 def _batches(items: Iterable[Any], size: Callable[[Any], int], limit: int) -> Iterable[list[Any]]:

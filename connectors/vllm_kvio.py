@@ -156,7 +156,8 @@ class HostStaging:
 def payload_tensor(
     payload: memoryview | bytes | bytearray, dtype: torch.dtype, shape: Sequence[int]
 ) -> torch.Tensor:
-    """Zero-copy tensor over a chunk payload (read only: never written)."""
+    """Zero-copy tensor over a chunk payload (a copy source, or a reserved DRAM slot to
+    write a save into)."""
     mv = memoryview(payload).cast("B")
     with warnings.catch_warnings():
         # torch warns on read-only buffers; the tensor is only ever a copy source.
@@ -207,6 +208,24 @@ class PagedKV:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise IndexError(f"block id out of range [0, {self.num_blocks}): {list(block_ids)}")
 
+    def layer_index(self, name: str) -> int | None:
+        if not hasattr(self, "_by_name"):
+            self._by_name = {n: i for i, n in enumerate(self.names)}
+        return self._by_name.get(name)
+
+    def gather_layer(self, li: int, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the blocks ``idx`` (from ``index``) of layer ``li`` into ``out`` ([n, *block],
+        host). On an accelerator it is queued on the current stream."""
+        layer = self.layers[li]
+        if self.on_host:
+            torch.index_select(layer, 0, idx, out=out)
+        else:
+            out.copy_(layer.index_select(0, idx), non_blocking=True)
+
+    def index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        self._check_ids(block_ids)
+        return self._index(block_ids)
+
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out`` ([L, n, *block_shape], host).
 
@@ -240,7 +259,7 @@ class PagedKV:
             torch.cuda.current_stream(self.device).synchronize()
 
     def side_stream(self) -> torch.cuda.Stream | None:
-        """A dedicated copy stream for loads from a helper thread (CUDA only)."""
+        """A dedicated copy stream for loads and layer-wise saves (CUDA only)."""
         if self.on_host or self.device.type != "cuda":
             return None
         if self._stream is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -300,12 +301,15 @@ def test_client_survives_agent_restart(tmp_path: Path) -> None:
     c = AgentClient(sock)
     keys = chunk_keys(np.arange(32 * 2), FP)
     c.put_many([(meta(keys[0]), payload(0))])
+    c.register_model(dataclasses.asdict(FP))
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     proc = start_agent(cfg)
     try:
         # Same client object: it reconnects, and the written-back chunk is still served.
         assert c.lookup(keys) == ["nvme"]
+        # The new agent (no Redis: an empty directory) has the client's fingerprint again.
+        assert [m["model_id"] for m in c.admin("models")["models"]] == ["agent-test"]
         c.put_many([(meta(keys[1]), payload(1))])
         got = c.get_many(keys, FP.digest)
         assert [bytes(g[1]) for g in got if g] == [payload(0), payload(1)]

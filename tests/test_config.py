@@ -46,6 +46,7 @@ def test_sizes_and_durations() -> None:
         ({"s3": {"enabled": True, "url": "bucket"}}, "s3.url must look like"),
         ({"dram": {"enabled": False}}, "enable at least one tier"),
         ({"chunk_size": 0}, "chunk_size"),
+        ({"agent": {"pin_file": " "}}, "agent.pin_file: must be a path to a pin file"),
     ],
 )
 def test_bad_config_names_the_key(data: dict, msg: str) -> None:
@@ -61,3 +62,15 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("dram: [unclosed\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(bad)
+
+
+def test_pin_file_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIN_DIR", "/srv/git/pins")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    p = tmp_path / "c.yaml"
+    p.write_text("agent: {pin_file: ${PIN_DIR}/prod.yaml}\n")
+    assert load_config(p).agent.pin_file == "/srv/git/pins/prod.yaml"
+    assert load_config({"agent": {"pin_file": "~/pins.yaml"}}).agent.pin_file == str(
+        tmp_path / "pins.yaml"
+    )
+    assert load_config({}).agent.pin_file is None

@@ -220,6 +220,7 @@ class Node:
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()
+        self.worker.drain_saves()  # commits run on a helper thread; tests want them landed
         self.worker.clear_connector_metadata()
         return meta
 
@@ -294,7 +295,7 @@ def test_producer_saves_progressively_with_chunked_prefill(
 
 def test_consumer_loads_all_but_last_token(vllm_mod: Any, store: MemoryChunkStore) -> None:
     p = prefill(vllm_mod, store)
-    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0)
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0, async_load=True)
     req = FakeRequest("d1", PROMPT)
     before = dict(store._data)
     # Side-effect free and repeatable.
@@ -324,7 +325,7 @@ def test_prompt_of_whole_chunks_never_claims_last_token(
     req = FakeRequest("p", prompt)
     p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS[:8]), 0)
     p.step(sched_output([(req, P_BLOCKS[:8], 0, 128)]))
-    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0)
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0, async_load=True)
     assert d.sched.get_num_new_matched_tokens(FakeRequest("d", prompt), 0) == (127, True)
     # A different salt is a different cache: nothing to load.
     salted = FakeRequest("d2", prompt, cache_salt="tenant-b")
@@ -335,7 +336,7 @@ def test_corrupted_chunk_reports_its_blocks_and_later_ones(
     vllm_mod: Any, store: MemoryChunkStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     prefill(vllm_mod, store)
-    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0)
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0, async_load=True)
     req = FakeRequest("d1", PROMPT)
     n, _ = d.sched.get_num_new_matched_tokens(req, 0)
     d.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), n)
@@ -381,7 +382,7 @@ def test_consumer_waits_for_prefill_then_falls_back(
     vllm_mod: Any, store: MemoryChunkStore
 ) -> None:
     d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0.3,
-             lookup_poll_s=0)
+             lookup_poll_s=0, async_load=True)
     req = FakeRequest("d1", PROMPT)
     d.sched.on_new_request(req)
     assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later
@@ -396,7 +397,7 @@ def test_consumer_waits_for_prefill_then_falls_back(
 
 
 def test_kv_both_reuses_its_own_prefix(vllm_mod: Any, store: MemoryChunkStore) -> None:
-    n = Node(vllm_mod, "kv_both", seed=3)
+    n = Node(vllm_mod, "kv_both", seed=3, async_load=True)
     req = FakeRequest("a", PROMPT)
     assert n.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # kv_both never waits
     n.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
@@ -418,3 +419,306 @@ def test_kv_both_reuses_its_own_prefix(vllm_mod: Any, store: MemoryChunkStore) -
 def test_chunk_size_must_be_a_multiple_of_the_block_size(vllm_mod: Any, store: Any) -> None:
     with pytest.raises(ValueError, match="multiple of vLLM's KV block size"):
         make_connector(vllm_mod, "scheduler", "kv_both", chunk_size=40)
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+def counters(stats: Any) -> dict[str, dict[str, float]]:
+    return dict(stats.data["counters"]) if stats is not None else {}
+
+
+def test_metrics_move_after_save_and_load(vllm_mod: Any, store: MemoryChunkStore) -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from tiered_cache.metrics import CONNECTOR_METRICS, CONNECTOR_PREFIX
+
+    p = prefill(vllm_mod, store)
+    saved = p.worker.get_kv_connector_stats()
+    assert counters(saved)["stored_chunks"] == {"": 3}
+    assert counters(saved)["stored_bytes"][""] == sum(
+        codec.decode(raw)[1].nbytes for raw in store._data.values()
+    )
+    assert len(saved.data["observations"]["store_seconds"][""]) == 1
+    assert p.worker.get_kv_connector_stats() is None  # taken: the next interval is empty
+
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0)
+    req = FakeRequest("d1", PROMPT)
+    n, _ = d.sched.get_num_new_matched_tokens(req, 0)
+    d.sched.get_num_new_matched_tokens(req, 0)  # asked again: still one lookup
+    d.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), n)
+    d.step(sched_output([]))
+    d.finish_loads()
+    sched = d.sched.get_kv_connector_stats()
+    assert counters(sched) == {"lookups": {"hit": 1}}
+    worker = d.worker.get_kv_connector_stats()
+    # MemoryChunkStore does not say who served a chunk: the lookup's source stands in.
+    assert counters(worker)["hit_tokens"] == {"dram": len(PROMPT) - 1}
+    assert counters(worker)["loaded_chunks"] == {"dram": 3}
+    assert "recompute_fallbacks" not in counters(worker)
+    assert len(worker.data["observations"]["load_seconds"]["dram"]) == 1
+
+    # What vLLM does with them: aggregate worker and scheduler stats, rebuild them in the
+    # API server from the plain dict, record them on its registry.
+    reg = CollectorRegistry()
+
+    def bound(cls: Any) -> Any:
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **kw: cls.__init__(
+            self, *a, registry=reg, **kw)})  # fmt: skip
+
+    total = worker.aggregate(sched)
+    rebuilt = vllm_mod.TieredCacheConnector.build_kv_connector_stats(total.to_dict())
+    assert rebuilt.reduce()["hit_tokens[dram]"] == len(PROMPT) - 1
+    prom = vllm_mod.TieredCacheConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)},
+        ["model_name", "engine"],
+        {0: ["tiny", "0"]},
+    )
+    prom.observe(rebuilt.to_dict(), 0)
+    lbl = {"model_name": "tiny", "engine": "0"}
+    val = reg.get_sample_value
+    assert val("tiered_cache_connector_hit_tokens_total", {**lbl, "tier": "dram"}) == 149
+    assert val("tiered_cache_connector_lookups_total", {**lbl, "result": "hit"}) == 1
+    assert val("tiered_cache_connector_load_seconds_count", {**lbl, "tier": "dram"}) == 1
+    # Every metric is registered and follows Prometheus naming (base units, _total).
+    fams = list(reg.collect())
+    assert {f.name for f in fams} == {CONNECTOR_PREFIX + n for n in CONNECTOR_METRICS}
+    for f in fams:
+        if f.type == "histogram":
+            assert f.name.endswith("_seconds"), f.name
+        else:
+            assert f.type == "counter" and all(
+                x.name.endswith(("_total", "_created")) for x in f.samples
+            ), f.name
+
+
+def test_fallback_reasons_are_counted(vllm_mod: Any, store: MemoryChunkStore) -> None:
+    prefill(vllm_mod, store)
+    # Chunks of another block size under the right keys: a layout mismatch.
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0,
+             async_load=False)  # fmt: skip
+    req = FakeRequest("d1", PROMPT)
+    n, _ = d.sched.get_num_new_matched_tokens(req, 0)
+    d.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), n)
+    key0 = d.sched._reqs["d1"].keys[0]
+    meta, payload = codec.decode(store._data[key0])
+    store.put_many([(codec.ChunkMeta(**{**meta.__dict__, "block_size": 32}), bytes(payload))])
+    d.step(sched_output([]))
+    c = counters(d.worker.get_kv_connector_stats())
+    assert c["recompute_fallbacks"] == {"layout_mismatch": 1} and c["layout_mismatches"] == {"": 1}
+    # A chunk gone between lookup and load: "missing".
+    req2 = FakeRequest("d2", PROMPT)
+    n, _ = d.sched.get_num_new_matched_tokens(req2, 0)
+    d.sched.update_state_after_alloc(req2, FakeBlocks(D_BLOCKS), n)
+    del store._data[key0]
+    d.step(sched_output([]))
+    assert counters(d.worker.get_kv_connector_stats())["recompute_fallbacks"] == {"missing": 1}
+    # A consumer that waited for a prefill that never came: "deadline", counted once.
+    w = Node(vllm_mod, "kv_consumer", seed=2, load_wait_timeout_s=0.05, lookup_poll_s=0)
+    req3 = FakeRequest("d3", list(range(300, 400)))
+    w.sched.on_new_request(req3)
+    assert w.sched.get_num_new_matched_tokens(req3, 0) == (None, False)
+    time.sleep(0.06)
+    assert w.sched.get_num_new_matched_tokens(req3, 0) == (0, False)
+    assert w.sched.get_num_new_matched_tokens(req3, 0) == (0, False)
+    assert counters(w.sched.get_kv_connector_stats()) == {
+        "recompute_fallbacks": {"deadline": 1}, "lookups": {"miss": 1},
+    }  # fmt: skip
+
+
+# ------------------------------------------------- against a real (embedded) node agent
+
+
+@pytest.fixture
+def agent_store(tmp_path: Any) -> Iterator[dict[str, Any]]:
+    """The store part of the extra config: a real agent, embedded in this process.
+    Connectors a test lists under ``extra["_nodes"]`` are shut down first."""
+    from tiered_cache import client
+
+    nodes: list[Node] = []
+    extra = {"store_dir": str(tmp_path / "store"), "dram_capacity": "8MiB",
+             "slot_bytes": "256KiB"}  # fmt: skip
+    yield {**extra, "_nodes": nodes}
+    for n in nodes:
+        n.sched.shutdown()
+        n.worker.shutdown()
+    client.shutdown_embedded()
+
+
+def agent_node(mod: Any, kv_role: str, seed: int, store: dict[str, Any], **kw: Any) -> Node:
+    extra = {k: v for k, v in store.items() if k != "_nodes"}
+    n = Node(mod, kv_role, seed, **kw, **extra)
+    store["_nodes"].append(n)
+    return n
+
+
+def cli_cfg(tmp_path: Any, extra: dict[str, Any]) -> str:
+    """A CLI config naming the embedded agent's socket."""
+    import yaml
+
+    from tiered_cache.client import config_from_extra
+
+    p = tmp_path / "cli.yaml"
+    p.write_text(yaml.safe_dump({"agent": {"socket": config_from_extra(extra).socket_path}}))
+    return str(p)
+
+
+def test_pin_by_model_uses_the_registered_fingerprint(
+    vllm_mod: Any, agent_store: dict[str, Any], tmp_path: Any
+) -> None:
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+
+    from tiered_cache.cli import main
+    from tiered_cache.client import open_store
+
+    def cli(*args: str) -> Any:
+        return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+    cfg = cli_cfg(tmp_path, agent_store)
+    toks = ",".join(map(str, PROMPT))
+    plain = open_store({k: v for k, v in agent_store.items() if k != "_nodes"})
+    # ^ starts the agent, with no vLLM registered yet
+    r = cli("pin", "add", "-c", cfg, "--model", "unit/tiny", "--tokens", toks)
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "no vLLM instance has registered model 'unit/tiny' yet" in r.output
+    assert "--kv-layout/--block-size" in r.output
+
+    p = agent_node(vllm_mod, "kv_producer", 1, agent_store)
+    req = FakeRequest("p1", PROMPT)
+    p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    p.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+    _, params = p.sched.request_finished(req, P_BLOCKS)
+    written = params["tiered_cache"]["keys"]
+    assert plain.lookup(written) == ["dram"] * 3  # the connector really stored them
+
+    models = json.loads(cli("models", "-c", cfg, "--json").output)
+    assert [(m["model"], m["kv_layout"], m["block_size"], m["chunk_size"]) for m in models] == [
+        ("unit/tiny", "LBHNC@cpu/FullAttentionSpec", BS, CHUNK)
+    ]
+    r = cli("pin", "add", "-c", cfg, "--model", "unit/tiny", "--tokens", toks, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert info["fingerprints"] == [p.sched._fp.hex]
+    pins = yaml.safe_load(cli("pin", "export", "-c", cfg).output)["pins"]
+    pinned = next(x for x in pins if x["id"] == info["id"])["keys"]
+    assert pinned == written[:2]  # exactly the connector's full chunks (the tail is not pinned)
+    # The defaults that built fingerprints before registration name other keys.
+    r = cli("pin", "add", "-c", cfg, "--model", "unit/tiny", "--tokens", toks, "--block-size",
+            str(BS), "--chunk-size", str(CHUNK), "--json")  # fmt: skip
+    by_hand = next(x for x in yaml.safe_load(cli("pin", "export", "-c", cfg).output)["pins"]
+                   if x["id"] == json.loads(r.output)["id"])["keys"]  # fmt: skip
+    assert not set(by_hand) & set(written)
+    r = cli("pin", "add", "-c", cfg, "--model", "other/model", "--tokens", toks)
+    assert "no vLLM instance has registered model 'other/model' yet (registered: unit/tiny)" in (
+        r.output
+    )
+    plain.close()
+
+
+def test_load_log_and_metrics_name_the_serving_tier(
+    vllm_mod: Any, agent_store: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    p = agent_node(vllm_mod, "kv_producer", 1, agent_store)
+    req = FakeRequest("p1", PROMPT)
+    p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    p.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+    d = agent_node(vllm_mod, "kv_consumer", 2, agent_store, zero=True, load_wait_timeout_s=0)
+    dreq = FakeRequest("d1", PROMPT)
+    n, _ = d.sched.get_num_new_matched_tokens(dreq, 0)
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(D_BLOCKS), n)
+    assert {c.source for c in d.sched._pending_loads[0].chunks} == {"dram"}  # the lookup's
+    # Between lookup and load the chunks leave DRAM; NVMe (written through) serves them.
+    admin = d.sched._open_store()
+    admin.admin("flush")
+    for k in d.sched._reqs["d1"].keys:
+        admin.admin("evict", key=k, tiers=["dram"])
+    with caplog.at_level(logging.INFO):
+        d.step(sched_output([]))
+        _, errors = d.finish_loads()
+    assert errors == set()
+    for li in range(LAYERS):
+        assert torch.equal(d.layers[li][D_BLOCKS], p.layers[li][P_BLOCKS])
+    assert any("loaded 3/3 chunks (149 tokens planned) from nvme in" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]  # fmt: skip
+    c = counters(d.worker.get_kv_connector_stats())
+    assert c["hit_tokens"] == {"nvme": len(PROMPT) - 1} and c["loaded_chunks"] == {"nvme": 3}
+
+
+@pytest.mark.parametrize(
+    ("mode", "remote", "want_async"),
+    [
+        ("auto", False, False),  # all chunks in this node's DRAM: load inside the forward
+        ("auto", True, True),  # a chunk comes from a peer: load between steps
+        ("true", False, True),
+        ("false", True, False),
+    ],
+)
+def test_async_load_modes(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch,
+    mode: str, remote: bool, want_async: bool,
+) -> None:
+    p = prefill(vllm_mod, store)
+    if remote:  # the store says the last chunk sits on another node
+        local = store.lookup
+        monkeypatch.setattr(store, "lookup", lambda keys: [*local(keys)[:-1], "peer"])
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0, async_load=mode)
+    req = FakeRequest("d1", PROMPT)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, want_async)
+    d.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), len(PROMPT) - 1)
+    meta = d.step(sched_output([]))
+    assert len(meta.loads) == 1 and meta.loads[0].is_async is want_async
+    if want_async:
+        done, errors = d.finish_loads()
+        assert done == {"d1"} and errors == set()
+    for li in range(LAYERS):  # either way the KV arrives intact
+        assert torch.equal(d.layers[li][D_BLOCKS], p.layers[li][P_BLOCKS])
+
+
+def test_bad_async_load_mode_is_refused(vllm_mod: Any, store: MemoryChunkStore) -> None:
+    with pytest.raises(ValueError, match="async_load"):
+        Node(vllm_mod, "kv_consumer", seed=2, async_load="sometimes")
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_zero_copy_save_is_copied_out_before_wait_for_save_returns(
+    vllm_mod: Any, agent_store: dict[str, Any], layerwise: bool
+) -> None:
+    """With an agent, saves are copied layer by layer (as vLLM reports each layer) straight
+    into reserved DRAM slots; checksum and commit finish on a helper thread. vLLM may
+    reuse the blocks as soon as wait_for_save returns, so overwriting them then must not
+    change what lands in the cache."""
+    p = agent_node(vllm_mod, "kv_producer", 1, agent_store, layerwise_save=layerwise)
+    original = [t.clone() for t in p.layers]
+    req = FakeRequest("p1", PROMPT)
+    p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    meta = p.sched.build_connector_meta(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+    assert len(meta.saves) == 3
+    p.worker.bind_connector_metadata(meta)
+    with torch.inference_mode():  # vLLM runs the forward pass (and these hooks) in it
+        for i in range(LAYERS):  # what vLLM's attention wrapper does after each layer
+            p.worker.save_kv_layer(f"model.layers.{i}.self_attn.attn", p.layers[i], None)
+        step = p.worker._step_save
+        assert (step is not None and step.res is not None) is layerwise  # slots reserved
+        assert step is None or len(step.layers) == LAYERS
+        p.worker.wait_for_save()
+    for t in p.layers:  # vLLM reuses the blocks for another request
+        t.zero_()
+    p.worker.drain_saves()
+    stats = p.worker.get_kv_connector_stats()
+    assert stats is not None and not stats.data["counters"].get("store_errors"), stats.data
+    assert stats.data["counters"]["stored_chunks"] == {"": 3}
+    p.worker.clear_connector_metadata()
+    p.sched.request_finished(req, P_BLOCKS)
+
+    d = agent_node(vllm_mod, "kv_consumer", 2, agent_store, zero=True, load_wait_timeout_s=0)
+    dreq = FakeRequest("d1", PROMPT)
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (len(PROMPT) - 1, False)
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(D_BLOCKS), len(PROMPT) - 1)
+    d.step(sched_output([]))
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    for li in range(LAYERS):
+        assert torch.equal(d.layers[li][D_BLOCKS], original[li][P_BLOCKS])

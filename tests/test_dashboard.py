@@ -80,9 +80,12 @@ def test_history_rates_over_a_window() -> None:
 
 
 def _metric_names() -> set[str]:
+    from tiered_cache.metrics import CONNECTOR_METRICS, CONNECTOR_PREFIX
+
+    bases = [fam.name for fam in Metrics().registry.collect()]
+    bases += [CONNECTOR_PREFIX + n for n in CONNECTOR_METRICS]  # exported through vLLM
     names = set()
-    for fam in Metrics().registry.collect():
-        base = fam.name
+    for base in bases:
         names |= {base, f"{base}_total", f"{base}_bucket", f"{base}_sum", f"{base}_count"}
     return names
 
@@ -142,7 +145,8 @@ def test_prometheus_rules_are_valid(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     # The Grafana queries parse as PromQL too (Grafana's variables substituted).
-    sub = {"$__rate_interval": "5m", "$__range": "1h", "$job": ".*", "$instance": ".*"}
+    sub = {"$__rate_interval": "5m", "$__range": "1h", "$vllm_job": ".*", "$job": ".*",
+           "$instance": ".*"}  # fmt: skip
     exprs = []
     for e in _grafana_exprs():
         for k, v in sub.items():

@@ -24,6 +24,7 @@ from tiered_cache.directory import (
     DirectoryUnavailable,
     LocalDirectory,
     Location,
+    ModelRegistration,
     Pin,
     RedisDirectory,
     redact_url,
@@ -210,6 +211,26 @@ async def test_counters(make_dir: MakeDir) -> None:
         "n1": {"dram:hits": 5, "dram:misses": 1},
         "n2": {"s3:hits": 7},
     }
+
+
+async def test_model_registrations(make_dir: MakeDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = await make_dir(), await make_dir()
+    reg = ModelRegistration(model_id="/m/llama", dtype="bfloat16", kv_layout="NHD@cuda/X",
+                            block_size=16, chunk_size=256, aliases=["llama"])  # fmt: skip
+    rank1 = reg.model_copy(update={"tp_rank": 1, "tp_world_size": 2})
+    await a.register_models("n1", [reg])
+    await a.register_models("n2", [rank1, reg])  # n2 refreshed reg last
+    got = await b.models()
+    assert sorted(r.hex for r in got) == sorted([reg.hex, rank1.hex])
+    assert {r.node_id for r in got} == {"n2"} and got[0].names() == {"/m/llama", "llama"}
+    assert all(time.time() - r.last_seen < 60 for r in got)
+    # Not refreshed within MODEL_KEEP_S: a retired deployment, dropped.
+    monkeypatch.setattr("tiered_cache.directory.MODEL_KEEP_S", 0.05)
+    await asyncio.sleep(0.1)
+    await a.register_models("n1", [reg])
+    assert [r.hex for r in await b.models()] == [reg.hex]
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        ModelRegistration.model_validate({**reg.model_dump(), "chunk_size": 100})
 
 
 # ------------------------------------------------------------------ pins / urls (no I/O)

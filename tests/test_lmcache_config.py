@@ -521,6 +521,23 @@ def test_per_tier_policy_overrides_the_default_cache_policy(tmp_path: Path) -> N
     )  # fmt: skip
 
 
+def test_pin_file_under_extra_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PIN_DIR", "/srv/git/pins")
+    p = write(
+        tmp_path,
+        "local_cpu: true\n"
+        "extra_config:\n  tiered_cache:\n"
+        "    agent: {pin_file: '${PIN_DIR}/prod.yaml', auth_token: t, peer_port: 7480}\n",
+    )
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        cfg = load_config(p)
+    assert cfg.agent.pin_file == "/srv/git/pins/prod.yaml"
+    assert (cfg.agent.auth_token, cfg.agent.peer_port) == ("t", 7480)
+    assert ignored(caplog) == []
+
+
 def test_unsupported_keys_are_one_warning_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -589,6 +606,8 @@ def test_unsupported_keys_are_one_warning_once(
         ("extra_config: {tiered_cache: {dram: lots}}\n",
          "extra_config.tiered_cache.dram: must be a mapping"),
         ("extra_config: {tiered_cache: [1]}\n", "extra_config: tiered_cache must be a mapping"),
+        ("extra_config: {tiered_cache: {agent: {pin_file: ''}}}\n",
+         "extra_config.tiered_cache.agent.pin_file: must be a path to a pin file"),
         ("cache_policy: LFU\nextra_config: {tiered_cache: {dram: {eviction: arc}}}\n",
          "extra_config.tiered_cache.dram.eviction: 'arc' contradicts cache_policy ('lfu')"),
         ("local_disk: /d\nmax_local_disk_size: 1\n"

@@ -6,6 +6,8 @@
 - Background loops keep the directory current (heartbeat, location refresh, pin sync,
   per-tier counters) and log one usage line a minute.
 - SIGTERM: stop accepting, write back dirty DRAM chunks, flush lower-tier writes, exit 0.
+- ``agent.pin_file``: imported at start-up (a file that cannot be used is a start-up error)
+  and again on SIGHUP, as ``tiered-cache pin import FILE`` does.
 """
 
 from __future__ import annotations
@@ -25,11 +27,20 @@ from typing import Any
 from policies import EntryInfo, make_admission, make_eviction
 from tiered_cache import codec
 from tiered_cache.config import CacheConfig
-from tiered_cache.directory import Directory, LocalDirectory, Pin, RedisDirectory
+from tiered_cache.directory import (
+    Directory,
+    DirectoryUnavailable,
+    LocalDirectory,
+    ModelRegistration,
+    Pin,
+    RedisDirectory,
+)
 from tiered_cache.hierarchy import Hit, PinRefused, TieredStore, TierSlot
 from tiered_cache.ipc import pack, read_msg
 from tiered_cache.metrics import Metrics
+from tiered_cache.pinfile import PinFileError, plan_pin_import, read_pin_file
 from tiered_cache.tiers.base import Tier
+from tiered_cache.tiers.dram import DRAMTier
 
 log = logging.getLogger("tiered_cache.agent")
 
@@ -112,11 +123,18 @@ def build_directory(cfg: CacheConfig, metrics: Metrics) -> Directory:
 class _Conn:
     leases: CounterT[int] = field(default_factory=CounterT)
     reserved: set[int] = field(default_factory=set)
+    models: set[str] = field(default_factory=set)  # fingerprints this client registered
 
 
 class NodeAgent:
     def __init__(self, cfg: CacheConfig, *, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
+        # Read before any tier or socket exists: a pin file that cannot be used stops the
+        # start-up with one error naming it.
+        self._file_pins = self._read_pin_file()
+        self._pin_import_lock = asyncio.Lock()
+        self._pin_import_retry = False  # the directory was unreachable: retry the import
+        self._reload_task: asyncio.Task[bool] | None = None
         self.metrics = metrics or Metrics()
         self.directory = build_directory(cfg, self.metrics)
         self.store = TieredStore(
@@ -129,6 +147,7 @@ class NodeAgent:
             peer_fetch=self._peer_fetch,
         )
         self._servers: list[asyncio.base_events.Server] = []
+        self._local_tasks: set[asyncio.Task[None]] = set()  # one per connected client
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._pins_version = -1
@@ -136,11 +155,17 @@ class NodeAgent:
         self._peer_conns: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._counted: dict[str, float] = {}
+        # Fingerprints of connected vLLM connectors (refreshed in the directory with every
+        # heartbeat while a client that registered them stays connected).
+        self._models: dict[str, ModelRegistration] = {}
+        self._model_refs: CounterT[str] = CounterT()
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         await self.store.open()
+        if self._file_pins is not None:  # before the socket exists: clients see the pins
+            await self._import_pins(self._file_pins)
         path = self.cfg.socket_path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -164,6 +189,7 @@ class NodeAgent:
         for fn, every in (
             (self._heartbeat, max(1.0, self.cfg.heartbeat_ttl_s / 3)),
             (self._sync_pins, self.cfg.agent.pin_sync_interval_s),
+            (self._retry_pin_import, self.cfg.agent.pin_sync_interval_s),
             (self._log_usage, self.cfg.agent.usage_log_interval_s),
             (self.store.republish, self.cfg.location_ttl_s / 2),
             (self._push_counters, 5.0),
@@ -188,9 +214,11 @@ class NodeAgent:
     async def stop(self) -> None:
         for srv in self._servers:
             srv.close()
-        for t in self._tasks:
+        # Connected clients' handlers too: left pending, they would run on a closed loop.
+        pending = [*self._tasks, *self._local_tasks]
+        for t in pending:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         await self.write_back_dirty()
         await self.store.flush()
         await self._push_counters()
@@ -228,7 +256,67 @@ class NodeAgent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+        if self.cfg.agent.pin_file is not None:  # without one, SIGHUP keeps its default
+            with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
+                loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         await self._stopped.wait()
+
+    def _on_sighup(self) -> None:
+        if self._reload_task is None or self._reload_task.done():
+            self._reload_task = asyncio.ensure_future(self.reload_pin_file())
+
+    # ---------------------------------------------------------------- pin file
+
+    def _read_pin_file(self) -> list[Pin] | None:
+        path = self.cfg.agent.pin_file
+        if path is None:
+            return None
+        try:
+            return read_pin_file(path, self.cfg)
+        except PinFileError as e:
+            raise PinFileError(f"agent.pin_file: {e}") from None
+
+    async def _import_pins(self, pins: list[Pin]) -> bool:
+        """Add the pin file's new pins and update changed ones, as `pin import FILE` does
+        (pins are keyed by id, so a restart or another agent importing the same file
+        changes nothing; pins not in the file are left alone). False when the directory is
+        unreachable: the import is retried every ``pin_sync_interval_s``."""
+        async with self._pin_import_lock:
+            try:
+                plan = plan_pin_import(pins, await self.directory.list_pins())
+                for _, p in plan.changes:
+                    await self.directory.add_pin(p)
+            except DirectoryUnavailable as e:
+                if not self._pin_import_retry:
+                    log.error(
+                        "agent.pin_file %s: cannot import its pins yet (%s); retrying every %gs",
+                        self.cfg.agent.pin_file,
+                        e,
+                        self.cfg.agent.pin_sync_interval_s,
+                    )
+                self._file_pins, self._pin_import_retry = pins, True
+                return False
+            self._pin_import_retry = False
+        await self._sync_pins()
+        log.info("agent.pin_file %s: %s", self.cfg.agent.pin_file, plan.summary())
+        return True
+
+    async def _retry_pin_import(self) -> None:
+        if self._pin_import_retry and self._file_pins is not None:
+            await self._import_pins(self._file_pins)
+
+    async def reload_pin_file(self) -> bool:
+        """Read ``agent.pin_file`` again and import it (on SIGHUP). A file that cannot be
+        used now is one error line; the agent keeps its pins and runs on."""
+        try:
+            pins = self._read_pin_file()
+        except PinFileError as e:
+            log.error("%s; pins unchanged", e)
+            return False
+        if pins is None:
+            return False
+        self._file_pins = pins
+        return await self._import_pins(pins)
 
     # ---------------------------------------------------------------- background
 
@@ -239,6 +327,8 @@ class NodeAgent:
             "pid": os.getpid(),
         }
         await self.directory.heartbeat(self.cfg.node_id, info, self.cfg.heartbeat_ttl_s)
+        if self._models:
+            await self.directory.register_models(self.cfg.node_id, list(self._models.values()))
 
     async def _sync_pins(self) -> None:
         v = await self.directory.pins_version()
@@ -331,6 +421,9 @@ class NodeAgent:
 
     async def _serve_local(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         conn = _Conn()
+        me = asyncio.current_task()
+        if me is not None:
+            self._local_tasks.add(me)
         try:
             while True:
                 msg = await read_msg(r)
@@ -346,6 +439,8 @@ class NodeAgent:
                 except Exception as e:
                     log.exception("request %s failed", msg.get("op"))
                     reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                if msg.get("noreply"):  # fire-and-forget (release): the client reads nothing
+                    continue
                 w.write(pack(reply))
                 await w.drain()
         finally:
@@ -355,7 +450,14 @@ class NodeAgent:
                     self.store.release(slot)
             for slot in conn.reserved:
                 self.store.abort_dram(slot)
+            for h in conn.models:
+                self._model_refs[h] -= 1
+                if self._model_refs[h] <= 0:
+                    del self._model_refs[h]
+                    self._models.pop(h, None)  # no longer refreshed; ages out of the directory
             w.close()
+            if me is not None:
+                self._local_tasks.discard(me)
 
     def _check_admin(self, msg: dict[str, Any]) -> None:
         token = self.cfg.agent.auth_token
@@ -384,18 +486,20 @@ class NodeAgent:
             out: list[Any] = []
             sem = asyncio.Semaphore(8)  # chunks of one request load in parallel, bounded
 
-            async def one(key: str) -> tuple[int, int] | Hit | None:
+            async def one(key: str) -> tuple[tuple[int, int] | Hit | None, str]:
+                served: list[str] = []  # the source that actually served it, for the client
                 async with sem:
-                    return await store.lease(key, expect_fingerprint=fp)
+                    got = await store.lease(key, expect_fingerprint=fp, served=served)
+                return got, (served[0] if served else "")
 
-            for got in await asyncio.gather(*(one(k) for k in msg["keys"])):
+            for got, src in await asyncio.gather(*(one(k) for k in msg["keys"])):
                 if got is None:
                     out.append(None)
                 elif isinstance(got, Hit):
                     out.append({"data": codec.encode(got.meta, got.payload), "src": got.source})
                 else:
                     conn.leases[got[0]] += 1
-                    out.append({"slot": got[0], "len": got[1]})
+                    out.append({"slot": got[0], "len": got[1], "src": src})
             return {"items": out}
         if op == "release":
             for slot in msg["slots"]:
@@ -419,7 +523,19 @@ class NodeAgent:
                 await store.commit_dram(
                     key, slot, length, info=EntryInfo(parent, pos), wait=bool(msg.get("wait"))
                 )
-            return {}
+            # Hand the client free slots for its next put, so a put costs one round trip
+            # (commit) instead of two. Only slots free without evicting, and never the last
+            # quarter of the pool.
+            dram = store.slots[0].tier
+            stash: list[int] = []
+            if isinstance(dram, DRAMTier):
+                for _ in range(min(int(msg.get("refill") or 0), 8)):
+                    if dram.free_slots <= dram.num_slots // 4:
+                        break
+                    sl = dram.reserve()
+                    conn.reserved.add(sl)
+                    stash.append(sl)
+            return {"slots": stash}
         if op == "abort":
             for slot in msg["slots"]:
                 if slot in conn.reserved:
@@ -466,6 +582,17 @@ class NodeAgent:
             return {"nodes": await self.directory.nodes()}
         if op == "counters":
             return {"counters": await self.directory.counters()}
+        if op == "register_model":  # a vLLM connector's fingerprint, for `pin add --model`
+            reg = ModelRegistration.model_validate(msg["model"])
+            h = reg.hex
+            if h not in conn.models:
+                conn.models.add(h)
+                self._model_refs[h] += 1
+            self._models[h] = reg
+            await self.directory.register_models(self.cfg.node_id, [reg])
+            return {"fingerprint": h}
+        if op == "models":
+            return {"models": [r.model_dump() for r in await self.directory.models()]}
         if op == "warm":
             self._check_admin(msg)
             wpin = await self.directory.get_pin(str(msg["id"]))

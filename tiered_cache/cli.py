@@ -18,12 +18,15 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from tiered_cache.config import CacheConfig, ConfigError, load_config, parse_duration
 from tiered_cache.keys import ModelFingerprint
+
+if TYPE_CHECKING:
+    from tiered_cache.directory import ModelRegistration
 
 F = TypeVar("F", bound=Callable[..., Any])
 TIERS = ("dram", "nvme", "s3")
@@ -186,6 +189,48 @@ def _redis(cfg: CacheConfig, fn: Callable[[Any], Any], *, check: bool = True) ->
     return asyncio.run(go())
 
 
+def _registered_models(cfg: CacheConfig) -> list[ModelRegistration]:
+    """Fingerprints vLLM connectors registered: from Redis, else from this node's agent."""
+    from tiered_cache.directory import ModelRegistration
+
+    if cfg.redis_url:
+        return list(_redis(cfg, lambda d: d.models()))
+    docs = _agent_op(cfg, "models", hint=" or set redis_url")["models"]
+    return [ModelRegistration.model_validate(d) for d in docs]
+
+
+def _canon(name: str) -> str:
+    return os.path.realpath(name) if os.path.exists(name) else name
+
+
+def _registrations_for(
+    cfg: CacheConfig, model: str, chunk_size: int | None
+) -> list[ModelRegistration]:
+    """Every registered fingerprint of ``model`` (its id, a served name or its directory)."""
+    regs = _registered_models(cfg)
+    want = _canon(model)
+    mine = [r for r in regs if want in {_canon(n) for n in r.names()}]
+    if not mine:
+        known = sorted({r.model_id for r in regs})
+        raise CliError(
+            f"no vLLM instance has registered model {model!r} yet"
+            + (f" (registered: {', '.join(known)})" if known else "")
+            + "; start it with the TieredCacheConnector (it registers its KV fingerprint "
+            "with the node agent), or pass --fingerprint, or --kv-layout/--block-size/"
+            "--dtype/--tp-size to build the fingerprint by hand"
+        )
+    if chunk_size:
+        sized = [r for r in mine if r.chunk_size == chunk_size]
+        if not sized:
+            have = ", ".join(str(c) for c in sorted({r.chunk_size for r in mine}))
+            raise CliError(
+                f"model {model!r} is registered with chunk size {have}, not --chunk-size "
+                f"{chunk_size}"
+            )
+        mine = sized
+    return mine
+
+
 @dataclasses.dataclass(frozen=True)
 class _GivenFingerprint(ModelFingerprint):
     """A fingerprint known only by its digest (as the vLLM connector logs it)."""
@@ -271,18 +316,11 @@ class _Admin:
 
 
 def _check_budget(cfg: CacheConfig, tiers: list[str], need: int) -> None:
-    caps = {
-        "dram": (cfg.dram.enabled, cfg.dram.capacity, cfg.dram.pin_budget_fraction),
-        "nvme": (cfg.nvme.enabled, cfg.nvme.capacity, cfg.nvme.pin_budget_fraction),
-        "s3": (cfg.s3.enabled, cfg.s3.capacity, cfg.s3.pin_budget_fraction),
-    }
-    for t in tiers:
-        enabled, cap, frac = caps[t]
-        if enabled and cap and need > cap * frac:
-            raise CliError(
-                f"pin of {need} B does not fit the {t} pin budget of {int(cap * frac)} B "
-                f"({frac:.0%} of {cap} B)"
-            )
+    from tiered_cache.pinfile import pin_budget_error
+
+    err = pin_budget_error(cfg, tiers, need)
+    if err:
+        raise CliError(err)
 
 
 @main.group()
@@ -303,8 +341,16 @@ _json_opt = click.option("--json", "as_json", is_flag=True, help="Print JSON ins
 @click.option("--text", help="Prefix text, tokenized with --model's tokenizer.")
 @click.option("--file", "file", type=click.Path(exists=True, dir_okay=False), help="Text file.")
 @click.option("--tokens", help="Token ids: '1,2,3' or @file.")
-@click.option("--model", help="Model directory or id (tokenizer + fingerprint).")
-@click.option("--dtype", default="float32", show_default=True, help="KV dtype of the server.")
+@click.option(
+    "--model",
+    help="Model id, served name or directory: pins under every fingerprint the vLLM "
+    "instances serving it registered (see `tiered-cache models`); tokenizes --text/--file.",
+)
+@click.option(
+    "--dtype", default="float32", show_default=True,
+    help="With --kv-layout/--block-size/--tp-size: build the fingerprint by hand "
+    "instead of using the registered ones.",
+)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--kv-layout", default="LBHNC", show_default=True)
 @click.option("--tp-size", type=int, default=1, show_default=True)
@@ -350,14 +396,36 @@ def pin_add(
     cfg = _load(config)
     tier_list = _tier_list(tiers)
     ttl_s = parse_duration(ttl)
-    toks = _tokens(text, file, tokens, model)
+    ctx = click.get_current_context()
+    by_hand = any(
+        ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT
+        for p in ("dtype", "block_size", "kv_layout", "tp_size")
+    )
+    # The connector's KV layout and block size are only known inside vLLM, so by default
+    # --model means "the fingerprints its vLLM instances registered".
+    regs = (
+        _registrations_for(cfg, model, chunk_size)
+        if model is not None and not fingerprints and not by_hand
+        else []
+    )
+    tok_src = model
+    if regs and model is not None and not os.path.exists(model):
+        tok_src = regs[0].tokenizer or regs[0].model_id  # --model named a served name
+    toks = _tokens(text, file, tokens, tok_src)
     keys_all: list[str] = []
     fp_hex = ""
     csize = chunk_size or cfg.chunk_size
-    if csize % block_size:
+    if not regs and csize % block_size:
         raise CliError(f"--chunk-size {csize} must be a multiple of --block-size {block_size}")
     fps: list[ModelFingerprint] = []
-    if fingerprints:
+    cb = 0
+    if regs:
+        fps = [r.fingerprint() for r in regs]
+        csize = min(r.chunk_size for r in regs)
+        for r in regs:  # per-rank share of a chunk's KV; the largest when they differ
+            path = model if model and os.path.exists(model) else r.model_id
+            cb = max(cb, _chunk_bytes(path, r.dtype, r.chunk_size) // r.tp_world_size)
+    elif fingerprints:
         for h in fingerprints:  # one per TP rank, as the connector logs them
             try:
                 digest = bytes.fromhex(h)
@@ -389,7 +457,8 @@ def pin_add(
             f"prefix has {len(toks)} tokens, fewer than one chunk ({csize}); "
             "only whole chunks are pinned"
         )
-    cb = _chunk_bytes(model, dtype, csize) // max(1, len(fps))
+    if not regs:
+        cb = _chunk_bytes(model, dtype, csize) // max(1, len(fps))
     _check_budget(cfg, tier_list, cb * len(keys_all))
     now = time.time()
     p = Pin(
@@ -414,6 +483,7 @@ def pin_add(
         "bytes": cb * len(keys_all),
         "tiers": tier_list,
         "ttl_s": ttl_s,
+        "fingerprints": [fp.hex for fp in fps],
     }
     if as_json:
         click.echo(json.dumps(info))
@@ -422,7 +492,47 @@ def pin_add(
             f"pinned {pin_id}: {len(keys_all)} chunks, {len(toks)} tokens, "
             f"{_fmt_bytes(cb * len(keys_all)) if cb else 'size unknown (no --model config)'}"
             f" in {','.join(tier_list)}" + (f", ttl {ttl}" if ttl_s else ", no ttl (hard pin)")
+            + (f", {len(fps)} registered fingerprints" if len(regs) > 1 else "")
         )
+
+
+@main.command("models")
+@_cfg_opt
+@_json_opt
+@friendly
+def models_cmd(config: str | None, as_json: bool) -> None:
+    """KV fingerprints vLLM instances registered (what `pin add --model` pins under)."""
+    regs = _registered_models(_load(config))
+    now = time.time()
+    rows: list[dict[str, Any]] = [
+        {
+            "model": r.model_id,
+            "aliases": r.aliases,
+            "dtype": r.dtype,
+            "kv_layout": r.kv_layout,
+            "block_size": r.block_size,
+            "chunk_size": r.chunk_size,
+            "tp": f"{r.tp_rank}/{r.tp_world_size}",
+            "fingerprint": r.hex,
+            "node": r.node_id,
+            "last_seen_age_s": round(now - r.last_seen, 1),
+        }
+        for r in regs
+    ]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo("no registered models (vLLM with the TieredCacheConnector registers them)")
+        return
+    table = [["MODEL", "DTYPE", "LAYOUT", "BLOCK", "CHUNK", "TP", "FINGERPRINT", "NODE", "SEEN"]]
+    for x in rows:
+        name = x["model"] + (f" ({', '.join(x['aliases'])})" if x["aliases"] else "")
+        table.append(
+            [name, x["dtype"], x["kv_layout"], str(x["block_size"]), str(x["chunk_size"]),
+             x["tp"], x["fingerprint"], x["node"], f"{_fmt_age(x['last_seen_age_s'])} ago"]
+        )  # fmt: skip
+    click.echo(_table(table, right=(3, 4)))
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -562,11 +672,6 @@ def pin_export(config: str | None, output: str | None) -> None:
         click.echo(text, nl=False)
 
 
-def _same_pin(a: Any, b: Any) -> bool:
-    fields = ("note", "name", "owner", "tiers", "ttl_s", "keys", "tokens", "fingerprint")
-    return all(getattr(a, f) == getattr(b, f) for f in fields)
-
-
 @pin.command("import")
 @_cfg_opt
 @_token_opt
@@ -577,57 +682,25 @@ def _same_pin(a: Any, b: Any) -> bool:
 def pin_import(
     config: str | None, token: str | None, file: str, prune: bool, dry_run: bool
 ) -> None:
-    """Add or update the pins of a YAML file written by `pin export`."""
-    import yaml
-    from pydantic import ValidationError
+    """Add or update the pins of a YAML file written by `pin export`.
 
-    from tiered_cache.config import format_validation_error
-    from tiered_cache.directory import Pin
+    The node agent imports its `agent.pin_file` the same way at start-up."""
+    from tiered_cache.pinfile import plan_pin_import, read_pin_file
 
     cfg = _load(config)
-    try:
-        doc = yaml.safe_load(Path(file).read_text())
-    except yaml.YAMLError as e:
-        raise CliError(f"{file}: invalid YAML: {str(e).splitlines()[0]}") from None
-    if isinstance(doc, list):
-        doc = {"pins": doc}
-    if not isinstance(doc, dict) or not isinstance(doc.get("pins"), list):
-        raise CliError(f"{file}: expected a mapping with a `pins:` list")
-    now = time.time()
-    wanted: list[Any] = []
-    for i, entry in enumerate(doc["pins"]):
-        if not isinstance(entry, dict):
-            raise CliError(f"{file}: pin #{i + 1} is not a mapping")
-        try:
-            p = Pin.model_validate({**entry, "created_at": now, "expires_at": None})
-        except ValidationError as e:
-            raise CliError(f"{file}: pin #{i + 1}: {format_validation_error(e)}") from None
-        _check_budget(cfg, p.tiers, (p.bytes_per_chunk or 0) * len(p.keys))
-        wanted.append(p)
-    ids = [p.id for p in wanted]
-    if len(set(ids)) != len(ids):
-        raise CliError(f"{file}: duplicate pin ids")
+    wanted = read_pin_file(file, cfg)  # the whole file is checked before anything changes
     admin = _Admin(cfg, token)
-    current = {p.id: p for p in admin.list()[0]}
-    counts = {"added": 0, "updated": 0, "unchanged": 0, "removed": 0}
-    for p in wanted:
-        old = current.get(p.id)
-        what = "unchanged" if old and _same_pin(old, p) else ("updated" if old else "added")
-        counts[what] += 1
-        if what != "unchanged":
-            click.echo(f"{'would be ' if dry_run else ''}{what}: {p.id} {p.note}".rstrip())
-            if not dry_run:
-                admin.add(p, p.bytes_per_chunk or 0)
-    if prune:
-        for pid in sorted(set(current) - set(ids)):
-            counts["removed"] += 1
-            click.echo(f"{'would be ' if dry_run else ''}removed: {pid}")
-            if not dry_run:
-                admin.remove(pid)
-    click.echo(
-        ("dry run: " if dry_run else "")
-        + ", ".join(f"{n} {k}" for k, n in counts.items() if n or k != "removed")
-    )
+    plan = plan_pin_import(wanted, admin.list()[0], prune=prune)
+    would = "would be " if dry_run else ""
+    for what, p in plan.changes:
+        click.echo(f"{would}{what}: {p.id} {p.note}".rstrip())
+        if not dry_run:
+            admin.add(p, p.bytes_per_chunk or 0)
+    for pid in plan.removed:
+        click.echo(f"{would}removed: {pid}")
+        if not dry_run:
+            admin.remove(pid)
+    click.echo(("dry run: " if dry_run else "") + plan.summary())
 
 
 def _prefill(

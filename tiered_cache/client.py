@@ -17,6 +17,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -25,15 +26,38 @@ from tiered_cache import codec
 from tiered_cache.api import PayloadLike
 from tiered_cache.codec import ChunkMeta
 from tiered_cache.config import CacheConfig, load_config
-from tiered_cache.ipc import ConnectionLost, IPCError, call_sync
+from tiered_cache.ipc import ConnectionLost, IPCError, call_sync, send_only
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _KEPT_MAPPINGS: list[Any] = []
+_STASH_MAX = 8  # slots a client may hold reserved between puts
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
 # Called with (index in request, meta, payload view) while the slot is leased: copy out now.
 Sink = Callable[[int, ChunkMeta, memoryview], None]
+
+
+@dataclass
+class LoadReport:
+    """Outcome of ``AgentClient.load_report``, per requested key."""
+
+    ok: list[bool]
+    sources: list[str]  # the source that served each chunk ("dram", "nvme", "peer", "s3")
+    # Why a chunk the agent returned was refused here: "mismatch" (key or fingerprint) or
+    # "verification" (damaged). Chunks the agent did not return are simply missing.
+    failures: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class SlotReservation:
+    """DRAM slots reserved by ``AgentClient.reserve_payloads``; ``views[i]`` is the payload
+    region of slot i (after its header)."""
+
+    slots: list[int | None]
+    views: list[memoryview]
+    sizes: list[int]
+    gen: int
 
 
 class AgentClient:
@@ -55,6 +79,7 @@ class AgentClient:
         self._shm: Any = None
         self._stale: list[Any] = []
         self._buf: memoryview | None = None
+        self._models: list[dict[str, Any]] = []  # registrations to repeat after a reconnect
         self._connect()
 
     def _connect(self) -> None:
@@ -68,6 +93,8 @@ class AgentClient:
             sock.close()
             raise
         self._sock = sock
+        self._conn_gen = getattr(self, "_conn_gen", 0) + 1  # reservations die with a connection
+        self._stash: list[int] = []  # DRAM slots the agent reserved for our next put
         hello = call_sync(sock, {"op": "hello"})
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
@@ -87,6 +114,8 @@ class AgentClient:
         if self._buf is not None:
             prefault(self._buf, write=False)
             maybe_pin_host_memory(self._buf)
+        for m in self._models:  # a restarted agent forgot what this client registered
+            call_sync(sock, {"op": "register_model", "model": m})
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -126,21 +155,40 @@ class AgentClient:
         reply = self._retry(lambda: self._call({"op": "locate", "keys": list(keys)}))
         return [list(n) for n in reply["nodes"]]
 
+    def register_model(self, model: Mapping[str, Any]) -> str:
+        """Register a connector's fingerprint (``ModelRegistration`` fields) with the agent,
+        which keeps it in the directory while this client stays connected. Returns its hex."""
+        doc = dict(model)
+        h = str(self._retry(lambda: self._call({"op": "register_model", "model": doc}))[
+            "fingerprint"
+        ])
+        self._models.append(doc)
+        return h
+
     def load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> list[bool]:
         """Verify each chunk and hand it to ``sink`` straight from shared memory.
         Returns which keys were delivered; the rest are misses."""
+        return self.load_report(keys, fingerprint, sink).ok
+
+    def load_report(
+        self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink
+    ) -> LoadReport:
+        """``load_many`` that also says which source served each chunk and why a returned
+        chunk was refused."""
         if not keys:
-            return []
+            return LoadReport([], [])
         return self._retry(lambda: self._load_many(keys, fingerprint, sink))
 
-    def _load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> list[bool]:
+    def _load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> LoadReport:
         items = self._call({"op": "get", "keys": list(keys), "fp": fingerprint})["items"]
-        ok = [False] * len(keys)
+        rep = LoadReport([False] * len(keys), [""] * len(keys))
+        ok = rep.ok
         leased: list[int] = []
         try:
             for i, (key, item) in enumerate(zip(keys, items, strict=True)):
                 if item is None:
                     continue
+                rep.sources[i] = str(item.get("src") or "")
                 if "slot" in item:
                     leased.append(item["slot"])
                     raw: PayloadLike = self._slot(item["slot"], item["len"])
@@ -153,6 +201,8 @@ class AgentClient:
                     want = codec.parse_header(raw)[2]
                 except codec.ChunkError as e:
                     log.warning("chunk %s failed verification: %s", key, e)
+                    mismatch = isinstance(e, codec.ChunkMismatch)
+                    rep.failures[i] = "mismatch" if mismatch else "verification"
                     continue
                 # Hash on a second core while the sink copies: a mismatch reports the chunk
                 # as failed, and the connector then has vLLM recompute what the sink wrote.
@@ -160,12 +210,14 @@ class AgentClient:
                 sink(i, meta, payload)
                 if fut is not None and fut.result() != want:
                     log.warning("chunk %s failed verification: payload checksum mismatch", key)
+                    rep.failures[i] = "verification"
                     continue
                 ok[i] = True
         finally:
-            if leased:
-                self._call({"op": "release", "slots": leased})
-        return ok
+            if leased:  # one-way: a get costs one round trip
+                with self._lock:
+                    send_only(self._sock, {"op": "release", "slots": leased})
+        return rep
 
     def get_many(
         self, keys: Sequence[str], fingerprint: bytes
@@ -197,11 +249,16 @@ class AgentClient:
     ) -> None:
         payloads = [memoryview(p).cast("B") for _, p in items]
         sizes = [codec.HEADER_SIZE + p.nbytes for p in payloads]
-        slots: list[int | None] = (
-            self._call({"op": "reserve", "sizes": sizes})["slots"]
-            if self._buf is not None
-            else [None] * len(items)
-        )
+        slots: list[int | None] = [None] * len(items)
+        if self._buf is not None:
+            # Slots the agent handed us with the last commit first, then reserve the rest.
+            fits = [i for i, n in enumerate(sizes) if n <= self.slot_bytes]
+            while fits and self._stash:
+                slots[fits.pop(0)] = self._stash.pop()
+            if fits:
+                got = self._call({"op": "reserve", "sizes": [sizes[i] for i in fits]})["slots"]
+                for i, sl in zip(fits, got, strict=True):
+                    slots[i] = sl
         commits: list[list[Any]] = []
         try:
             for i, ((meta, _), payload, slot) in enumerate(
@@ -233,7 +290,55 @@ class AgentClient:
             self._call({"op": "abort", "slots": [s for s in slots if s is not None]})
             raise
         if commits:
-            self._call({"op": "commit", "items": commits, "wait": wait})
+            refill = max(0, min(len(commits), _STASH_MAX) - len(self._stash))
+            r = self._call({"op": "commit", "items": commits, "wait": wait, "refill": refill})
+            self._stash.extend(s for s in r.get("slots", ()) if s is not None)
+
+    # -- zero-copy puts: the caller writes payloads straight into reserved DRAM slots
+
+    def reserve_payloads(self, payload_sizes: Sequence[int]) -> SlotReservation | None:
+        """Reserve one DRAM slot per payload; None when any does not fit (the caller then
+        uses ``put_many``). Fill ``views[i]`` and call ``commit_payloads``, or
+        ``abort_reservation``."""
+        if self._buf is None or not payload_sizes:
+            return None
+        sizes = [codec.HEADER_SIZE + n for n in payload_sizes]
+        slots = self._retry(lambda: self._call({"op": "reserve", "sizes": sizes})["slots"])
+        res = SlotReservation(list(slots), [], sizes, self._conn_gen)
+        if any(s is None for s in slots):
+            self.abort_reservation(res)
+            return None
+        res.views = [self._slot(sl, n)[codec.HEADER_SIZE :] for sl, n in zip(slots, sizes, strict=True)]
+        return res
+
+    def commit_payloads(
+        self,
+        res: SlotReservation,
+        metas: Sequence[ChunkMeta],
+        parents: Sequence[str | None] | None = None,
+        *,
+        wait: bool = False,
+    ) -> None:
+        """Checksum each filled payload (on the hash pool), write its header and commit."""
+        if res.gen != self._conn_gen:
+            raise ConnectionLost("the agent restarted: the reserved slots are gone")
+        views = res.views
+        sums = list(_HASH_POOL.map(codec.checksum, views))
+        commits: list[list[Any]] = []
+        for i, (meta, view, slot) in enumerate(zip(metas, views, res.slots, strict=True)):
+            assert slot is not None
+            head = self._slot(slot, codec.HEADER_SIZE)
+            head[:] = codec.pack_header(meta, view, payload_checksum=sums[i])
+            commits.append([meta.key, slot, res.sizes[i], parents[i] if parents else None, i])
+        self._call({"op": "commit", "items": commits, "wait": wait})
+
+    def abort_reservation(self, res: SlotReservation) -> None:
+        if res.gen != self._conn_gen:
+            return  # the agent dropped them with the old connection
+        held = [s for s in res.slots if s is not None]
+        if held:
+            with contextlib.suppress(ConnectionLost, OSError):
+                self._call({"op": "abort", "slots": held})
 
     def admin(self, op: str, **kw: Any) -> dict[str, Any]:
         return self._retry(lambda: self._call({"op": op, **kw}))

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 _UNITS = {
     "": 1,
@@ -73,7 +81,8 @@ class _Strict(BaseModel):
 
 
 class TierPolicy(_Strict):
-    eviction: EvictionName = "lru"
+    # s3prefix: best or near-best prefix-hit ratio on every trace studied (docs/policies.md)
+    eviction: EvictionName = "s3prefix"
     admission: str = "always"
     admission_k: int = Field(2, ge=1)
     pin_budget_fraction: float = Field(0.5, ge=0.0, le=1.0)
@@ -142,6 +151,17 @@ class AgentConfig(_Strict):
     auth_token: str | None = None
     usage_log_interval_s: float = Field(60.0, gt=0)
     pin_sync_interval_s: float = Field(2.0, gt=0)
+    # A pin list (the YAML `tiered-cache pin export` writes) the agent imports at start-up
+    # and on SIGHUP, as `tiered-cache pin import FILE` does (without --prune).
+    pin_file: str | None = None
+
+    @field_validator("pin_file")
+    @classmethod
+    def _pin_file(cls, v: str | None) -> str | None:
+        # ${VAR} is expanded with the rest of the file; ~ here.
+        if v is not None and not v.strip():
+            raise ValueError("must be a path to a pin file (or leave it out)")
+        return os.path.expanduser(v) if v is not None else None
 
 
 class CacheConfig(_Strict):

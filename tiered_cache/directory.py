@@ -21,6 +21,7 @@ Redis key schema (``ns`` = namespace, default ``tc``)::
     {ns}:pins:events       pub/sub channel, message "<op> <pin id>" on every pin change
     {ns}:stats:<node>      HASH  counter name -> int (HINCRBY)
     {ns}:statnodes         SET   nodes that have counters
+    {ns}:models            HASH  fingerprint hex -> ModelRegistration JSON (vLLM connectors)
 
 Chunk keys are hash-tagged by chunk so a batch spreads over a cluster; global keys share
 the ``{ns}`` tag so multi-key work on them stays in one slot. All pipelines are
@@ -51,7 +52,7 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tiered_cache.keys import is_valid_key
+from tiered_cache.keys import ModelFingerprint, is_valid_key
 from tiered_cache.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ _NS_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEX_RE = re.compile(r"^[0-9a-f]*$")
 # Dead nodes stay listed in {ns}:nodes / {ns}:alive this long before being pruned.
 _PRUNE_AFTER_S = 3600.0
+# Agents refresh the registrations of connected vLLM instances with every heartbeat; one
+# not refreshed for this long belongs to a retired deployment and is dropped.
+MODEL_KEEP_S = 7 * 24 * 3600.0
 _REPLAY_BATCH = 64  # queued updates per replay pipeline
 
 
@@ -161,6 +165,53 @@ class Pin(BaseModel):
         return cls.model_validate_json(data)
 
 
+class ModelRegistration(BaseModel):
+    """A fingerprint a vLLM connector writes chunks under, registered through its node agent
+    so that ``pin add --model`` can name the exact keys (the KV layout and block size are
+    only known inside vLLM)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model_id: str
+    dtype: str
+    kv_layout: str
+    block_size: int
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    chunk_size: int
+    aliases: list[str] = Field(default_factory=list)  # served model names
+    tokenizer: str | None = None
+    node_id: str = ""  # the node that last refreshed it
+    last_seen: float = 0.0  # epoch s
+
+    @model_validator(mode="after")
+    def _valid(self) -> ModelRegistration:
+        self.fingerprint()  # raises ValueError on inconsistent fields
+        return self
+
+    def fingerprint(self) -> ModelFingerprint:
+        return ModelFingerprint(
+            model_id=self.model_id,
+            dtype=self.dtype,
+            kv_layout=self.kv_layout,
+            block_size=self.block_size,
+            tp_rank=self.tp_rank,
+            tp_world_size=self.tp_world_size,
+            chunk_size=self.chunk_size,
+        )
+
+    @property
+    def hex(self) -> str:
+        return self.fingerprint().hex
+
+    def names(self) -> set[str]:
+        return {self.model_id, *self.aliases}
+
+
+def _newest_first(regs: Sequence[ModelRegistration]) -> list[ModelRegistration]:
+    return sorted(regs, key=lambda r: (-r.last_seen, r.model_id, r.tp_rank, r.hex))
+
+
 def _check_node(node_id: str) -> None:
     if not node_id or _SEP in node_id:
         raise ValueError(f"invalid node id {node_id!r}")
@@ -231,6 +282,14 @@ class Directory(abc.ABC):
     @abc.abstractmethod
     async def counters(self) -> dict[str, dict[str, int]]: ...
 
+    @abc.abstractmethod
+    async def register_models(self, node_id: str, regs: Sequence[ModelRegistration]) -> None:
+        """Record (or refresh) fingerprints that ``node_id``'s vLLM connectors use."""
+
+    @abc.abstractmethod
+    async def models(self) -> list[ModelRegistration]:
+        """Registered fingerprints seen within ``MODEL_KEEP_S``, most recent first."""
+
     async def check(self) -> None:  # noqa: B027 - a local backend is always reachable
         """Raise ``DirectoryUnavailable`` if the backend cannot be reached."""
 
@@ -273,6 +332,7 @@ class LocalDirectory(Directory):
         self._pins: dict[str, Pin] = {}
         self._pinver = 0
         self._counters: dict[str, dict[str, int]] = {}
+        self._models: dict[str, ModelRegistration] = {}
         self._last_sweep = time.monotonic()
 
     async def publish(self, node_id: str, tier: str, keys: Sequence[str], ttl_s: float) -> None:
@@ -377,6 +437,18 @@ class LocalDirectory(Directory):
     async def counters(self) -> dict[str, dict[str, int]]:
         return {n: dict(c) for n, c in self._counters.items()}
 
+    async def register_models(self, node_id: str, regs: Sequence[ModelRegistration]) -> None:
+        _check_node(node_id)
+        now = time.time()
+        for r in regs:
+            self._models[r.hex] = r.model_copy(update={"node_id": node_id, "last_seen": now})
+
+    async def models(self) -> list[ModelRegistration]:
+        cutoff = time.time() - MODEL_KEEP_S
+        for h in [h for h, r in self._models.items() if r.last_seen < cutoff]:
+            del self._models[h]
+        return _newest_first([r.model_copy() for r in self._models.values()])
+
 
 # --------------------------------------------------------------------------- redis
 
@@ -414,7 +486,7 @@ class _Update:
 
     Times are absolute (epoch) so a replay does not extend a TTL past the original."""
 
-    op: str  # publish | unpublish | heartbeat | incr_counters
+    op: str  # publish | unpublish | heartbeat | incr_counters | register_models
     node_id: str
     tier: str = ""
     keys: tuple[str, ...] = ()
@@ -479,6 +551,7 @@ class RedisDirectory(Directory):
         self._last_pins: list[Pin] = []
         self._last_pinver = 0
         self._last_counters: dict[str, dict[str, int]] = {}
+        self._last_models: list[ModelRegistration] = []
 
         ns = namespace
         g = f"{{{ns}}}"
@@ -489,6 +562,7 @@ class RedisDirectory(Directory):
         self.k_pinexp = f"{g}:pinexp"
         self.k_pinver = f"{g}:pinver"
         self.k_statnodes = f"{g}:statnodes"
+        self.k_models = f"{g}:models"
         self._k_stats = f"{g}:stats:"
         self.pins_channel = f"{g}:pins:events"
 
@@ -687,6 +761,8 @@ class RedisDirectory(Directory):
             for name, v in u.deltas.items():
                 p.hincrby(sk, name, v)
             p.sadd(self.k_statnodes, u.node_id)
+        elif u.op == "register_models":
+            p.hset(self.k_models, mapping=u.info)
         else:  # pragma: no cover - internal invariant
             raise AssertionError(u.op)
 
@@ -963,6 +1039,43 @@ class RedisDirectory(Directory):
         }
         self._last_counters = out
         return {n: dict(c) for n, c in out.items()}
+
+    # -- model fingerprints -----------------------------------------------------------
+
+    async def register_models(self, node_id: str, regs: Sequence[ModelRegistration]) -> None:
+        _check_node(node_id)
+        if not regs:
+            return
+        now = time.time()
+        docs = {
+            r.hex: r.model_copy(update={"node_id": node_id, "last_seen": now}).model_dump_json()
+            for r in regs
+        }
+        await self._submit(_Update("register_models", node_id, info=docs, last_seen=now))
+
+    async def models(self) -> list[ModelRegistration]:
+        try:
+            (raw,) = await self._execute("models", lambda p: p.hgetall(self.k_models))
+        except _Degraded:
+            return list(self._last_models)
+        cutoff = time.time() - MODEL_KEEP_S
+        regs: list[ModelRegistration] = []
+        stale: list[str] = []
+        for h, blob in (raw or {}).items():
+            try:
+                r = ModelRegistration.model_validate_json(blob)
+            except ValueError:
+                stale.append(h)  # unreadable entry: drop it
+                continue
+            if r.last_seen >= cutoff:
+                regs.append(r)
+            else:
+                stale.append(h)
+        if stale:
+            with contextlib.suppress(_Degraded):
+                await self._execute("models", lambda p: p.hdel(self.k_models, *stale))
+        self._last_models = _newest_first(regs)
+        return list(self._last_models)
 
     # -- lifecycle --------------------------------------------------------------------
 

@@ -60,6 +60,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+def send_only(sock: socket.socket, msg: dict[str, Any]) -> None:
+    """A request the agent does not answer (it carries ``noreply``)."""
+    try:
+        sock.sendall(pack({**msg, "noreply": True}))
+    except OSError as e:
+        raise ConnectionLost(f"agent connection broken: {e}") from e
+
+
 def call_sync(sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
     """One blocking request/response on a connected socket."""
     try:

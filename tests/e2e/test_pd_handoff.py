@@ -12,6 +12,7 @@ All connector servers share one store (``vllm_harness.SharedStore``).
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -163,12 +164,34 @@ def prefill(c: Cluster, seed: int) -> dict[str, Any]:
     tc = params.get("tiered_cache") or {}
     n_chunks = -(-PROMPT_LEN // CHUNK)  # full chunks and the partial tail
     assert tc.get("chunks") == n_chunks and len(tc.get("keys", [])) == n_chunks, params
+    # Saves commit on a helper thread after the forward pass: they land moments after.
+    deadline = time.monotonic() + 5
+    while c.store.present(tc["keys"]) < n_chunks and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert c.store.present(tc["keys"]) == n_chunks
     return params
 
 
 def external_hits(s: VllmServer) -> float:
     return s.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+
+
+def series_sum(s: VllmServer, name: str, **labels: str) -> float:
+    """Sum of ``name``'s samples on ``s``'s /metrics carrying all of ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(
+        v for k, v in s.metrics().items()
+        if k.startswith(name + "{") and all(w in k for w in want)
+    )  # fmt: skip
+
+
+def wait_metric(s: VllmServer, name: str, at_least: float, **labels: str) -> float:
+    """Connector stats reach the API server's /metrics with the engine's next stats
+    update: poll briefly."""
+    deadline = time.monotonic() + 10
+    while (v := series_sum(s, name, **labels)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return v
 
 
 def test_monolithic_reference(cluster: Cluster) -> None:
@@ -182,8 +205,12 @@ def test_monolithic_reference(cluster: Cluster) -> None:
 
 def test_prefill_then_decode_matches_monolithic(cluster: Cluster) -> None:
     ref = reference(cluster, 1)
+    hit_tokens = "tiered_cache_connector_hit_tokens_total"
+    dram0 = series_sum(cluster.decode, hit_tokens, tier="dram", model_name="tiny")
     params = prefill(cluster, 1)
     assert params.get("tiered_cache", {}).get("chunks") == 3, params
+    # The connector's own metrics, on vLLM's /metrics (see connectors/vllm_metrics.py).
+    assert wait_metric(cluster.prefill, "tiered_cache_connector_stored_chunks_total", 3) >= 3
     hits0 = external_hits(cluster.decode)
     got = parse(
         cluster.decode.completion(
@@ -203,7 +230,45 @@ def test_prefill_then_decode_matches_monolithic(cluster: Cluster) -> None:
     assert any('source="host"' in k and v >= PROMPT_LEN - 1 for k, v in by_source.items()), (
         by_source
     )
-    assert "loaded 3/3 chunks" in cluster.decode.log_text()
+    # Our metric names the tier that served the chunks (the agent's reply), as does the log.
+    dram = wait_metric(cluster.decode, hit_tokens, dram0 + PROMPT_LEN - 1, tier="dram")
+    assert dram - dram0 == PROMPT_LEN - 1
+    assert wait_metric(cluster.decode, "tiered_cache_connector_lookups_total", 1, result="hit")
+    assert f"loaded 3/3 chunks ({PROMPT_LEN - 1} tokens planned) from dram in" in (
+        cluster.decode.log_text()
+    )
+
+
+def test_pin_by_model_names_the_keys_the_connector_wrote(cluster: Cluster) -> None:
+    """The servers' connectors registered their fingerprint (KV layout and block size of
+    vLLM's CPU backend, which the CLI cannot guess): `pin add --model <served name>`
+    pins exactly the chunks the prefill stored."""
+    import yaml
+    from click.testing import CliRunner
+
+    from tiered_cache.cli import main
+    from tiered_cache.client import config_from_extra
+
+    keys = prefill(cluster, 6)["tiered_cache"]["keys"]
+    cfg = cluster.store.root / "cli.yaml"
+    sock = config_from_extra(cluster.store.config).socket_path
+    cfg.write_text(yaml.safe_dump({"agent": {"socket": sock}}))
+
+    def cli(*args: str) -> str:
+        r = CliRunner().invoke(main, list(args), catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    models = json.loads(cli("models", "-c", str(cfg), "--json"))
+    assert len(models) == 1 and "tiny" in models[0]["aliases"], models
+    assert "@cpu/FullAttentionSpec" in models[0]["kv_layout"]
+    toks = ",".join(map(str, make_prompt(6)))
+    info = json.loads(
+        cli("pin", "add", "-c", str(cfg), "--model", "tiny", "--tokens", toks, "--json")
+    )
+    pins = yaml.safe_load(cli("pin", "export", "-c", str(cfg)))["pins"]
+    assert next(p for p in pins if p["id"] == info["id"])["keys"] == keys[: PROMPT_LEN // CHUNK]
+    cli("pin", "rm", "-c", str(cfg), info["id"])
 
 
 def test_corrupted_chunks_are_recomputed(cluster: Cluster) -> None:
