@@ -238,7 +238,7 @@ def test_decode_node_pulls_chunks_from_peer(nodes: Nodes) -> None:
     assert d["s3"] == 0 and d["miss"] == 0, d
     out = n.a.stats().get("tiered_cache_peer_transfers_total{direction=out}", 0.0)
     assert out - before_a.get("tiered_cache_peer_transfers_total{direction=out}", 0.0) >= N_CHUNKS
-    assert "loaded 3/3 chunks (599 tokens planned) from peer,peer,peer" in n.decode.log_text()
+    assert "loaded 3/3 chunks (599 tokens planned) from peer in" in n.decode.log_text()
 
 
 def test_node_with_only_s3_in_common_loads_from_s3(nodes: Nodes) -> None:
