@@ -224,6 +224,10 @@ def test_decode_node_pulls_chunks_from_peer(nodes: Nodes) -> None:
     # B holds none of them; the directory (A's heartbeat and locations) says a peer does.
     lookup_client = n.b.client()
     try:
+        # A publishes locations after its commits land (asynchronously): allow a moment.
+        deadline = time.monotonic() + 5
+        while lookup_client.lookup(keys) != ["peer"] * N_CHUNKS and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert lookup_client.lookup(keys) == ["peer"] * N_CHUNKS
         assert lookup_client.locate(keys) == [[n.a.node_id]] * N_CHUNKS
     finally:
@@ -274,6 +278,9 @@ def test_dead_peer_falls_back_to_s3(nodes: Nodes) -> None:
     c = n.b.client()
     try:
         # The directory still lists A's copies: the lookup says "peer", the fetch fails.
+        deadline = time.monotonic() + 5
+        while c.lookup(keys) != ["peer"] * N_CHUNKS and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert c.lookup(keys) == ["peer"] * N_CHUNKS
     finally:
         c.close()
