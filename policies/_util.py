@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Generic, TypeVar
+
+from policies.base import EntryInfo
 
 V = TypeVar("V")
 
@@ -51,3 +54,93 @@ def compact_due(heap_len: int, live: int) -> bool:
     so it is amortised O(1) per operation and the heap stays O(live) in size.
     """
     return heap_len > 2 * live + 64
+
+
+def parent_of(key: str, info: EntryInfo | None) -> str | None:
+    """The chunk's parent from ``info``; a self-parent (malformed input) counts as none."""
+    parent = info.parent if info is not None else None
+    return None if parent == key else parent
+
+
+class PrefixTree:
+    """Parent links and tracked-child counts of the chunks a prefix-aware policy holds.
+
+    A chunk is a *leaf* while no tracked chunk names it as parent. A parent need not be
+    tracked itself (it may live in another tier, or be pinned): its count waits for it.
+    ``children`` is public so that hot loops can test ``children.get(key)`` directly.
+    O(1) per operation.
+    """
+
+    __slots__ = ("children", "parent")
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str | None] = {}
+        self.children: dict[str, int] = {}  # parent key -> tracked children
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.parent
+
+    def __len__(self) -> int:
+        return len(self.parent)
+
+    def is_leaf(self, key: str) -> bool:
+        return key in self.parent and self.children.get(key, 0) == 0
+
+    def link(self, key: str, parent: str | None) -> None:
+        self.parent[key] = parent
+        if parent is not None:
+            self.children[parent] = self.children.get(parent, 0) + 1
+
+    def unlink(self, key: str) -> str | None:
+        """Forget ``key``; returns its parent when that has just lost its last child."""
+        parent = self.parent.pop(key)
+        if parent is None:
+            return None
+        left = self.children[parent] - 1
+        if left:
+            self.children[parent] = left
+            return None
+        del self.children[parent]
+        return parent
+
+    def relink(self, key: str, parent: str | None) -> str | None:
+        """Re-parent a tracked ``key``; returns the old parent if it has just become a leaf."""
+        if parent == self.parent[key]:
+            return None
+        freed = self.unlink(key)
+        self.link(key, parent)
+        return freed
+
+
+class SmallMainGhost:
+    """The queue shape that S3-FIFO and S3Prefix share: a small probation queue S, a main
+    queue M and a ghost queue G of evicted keys, sized from ``capacity``."""
+
+    capacity_hint: int | None
+    small_ratio: float
+    _peak: int
+    _small: Mapping[str, object]
+    _main: Mapping[str, object]
+    _ghost: Mapping[str, object]
+
+    @property
+    def capacity(self) -> int:
+        """Entries: ``capacity_hint`` if given, else the largest resident count seen."""
+        return self.capacity_hint if self.capacity_hint is not None else max(1, self._peak)
+
+    @property
+    def small_target(self) -> int:
+        return max(1, int(self.small_ratio * self.capacity))
+
+    def queue_of(self, key: str) -> str | None:
+        """'small', 'main' or 'ghost' (for tests and introspection)."""
+        if key in self._small:
+            return "small"
+        if key in self._main:
+            return "main"
+        if key in self._ghost:
+            return "ghost"
+        return None
+
+    def ghost_size(self) -> int:
+        return len(self._ghost)

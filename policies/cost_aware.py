@@ -28,7 +28,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-from policies._util import DEFAULT_DETACHED, Detached, compact_due
+from policies._util import DEFAULT_DETACHED, Detached, PrefixTree, compact_due, parent_of
 from policies.base import EntryInfo, EvictionPolicy
 
 
@@ -56,8 +56,7 @@ class CostAware(EvictionPolicy):
         self._weight: dict[str, float] = {}  # cost / size
         self._freq: dict[str, int] = {}
         self._stamp: dict[str, tuple[float, int]] = {}  # key -> (H, tick)
-        self._parent: dict[str, str | None] = {}
-        self._children: dict[str, int] = {}  # parent key -> tracked children
+        self._tree = PrefixTree()
         self._heap: list[tuple[float, int, str]] = []
         self._tick = 0
         self._inflation = 0.0  # L
@@ -82,16 +81,17 @@ class CostAware(EvictionPolicy):
         return self._freq.get(key, 0)
 
     def is_leaf(self, key: str) -> bool:
-        return key in self._parent and self._children.get(key, 0) == 0
+        return self._tree.is_leaf(key)
 
-    def _push(self, key: str) -> None:
-        if self._children.get(key, 0) or key not in self._stamp:
+    def _push(self, key: str | None) -> None:
+        children = self._tree.children
+        if key is None or children.get(key, 0) or key not in self._stamp:
             return
         h, t = self._stamp[key]
         heapq.heappush(self._heap, (h, t, key))
         if compact_due(len(self._heap), len(self._stamp)):
             self._heap = [
-                (hh, tt, k) for k, (hh, tt) in self._stamp.items() if not self._children.get(k, 0)
+                (hh, tt, k) for k, (hh, tt) in self._stamp.items() if not children.get(k, 0)
             ]
             heapq.heapify(self._heap)
 
@@ -100,32 +100,12 @@ class CostAware(EvictionPolicy):
         self._stamp[key] = (self._inflation + self._freq[key] * self._weight[key], self._tick)
         self._push(key)
 
-    def _link(self, key: str, parent: str | None) -> None:
-        self._parent[key] = parent
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
-
-    def _unlink(self, key: str) -> None:
-        parent = self._parent.pop(key)
-        if parent is None:
-            return
-        left = self._children[parent] - 1
-        if left:
-            self._children[parent] = left
-        else:
-            del self._children[parent]
-            self._push(parent)
-
     def on_insert(self, key: str, size: int, info: EntryInfo | None = None) -> None:
-        parent = info.parent if info is not None else None
-        if parent == key:
-            parent = None
+        parent = parent_of(key, info)
         if key in self._weight:
             if info is not None:
                 self._weight[key] = self.cost_fn(info.position) / max(1, size)
-                if parent != self._parent[key]:
-                    self._unlink(key)
-                    self._link(key, parent)
+                self._push(self._tree.relink(key, parent))
             self.on_access(key)
             return
         position = info.position if info is not None else 0
@@ -135,7 +115,7 @@ class CostAware(EvictionPolicy):
             self._freq[key] = pinned
         else:
             self._freq[key] = self._history.pop(key, 0) + 1
-        self._link(key, parent)
+        self._tree.link(key, parent)
         self._touch(key)
         self._peak = max(self._peak, len(self._weight))
 
@@ -153,7 +133,7 @@ class CostAware(EvictionPolicy):
             return
         freq = self._freq.pop(key)
         h, _ = self._stamp.pop(key)
-        self._unlink(key)
+        self._push(self._tree.unlink(key))
         if key == self._pending:
             self._inflation = max(self._inflation, h)
             limit = int(self.history_ratio * self.capacity)
@@ -170,7 +150,7 @@ class CostAware(EvictionPolicy):
         heap = self._heap
         while heap:
             h, t, key = heap[0]
-            if self._stamp.get(key) == (h, t) and not self._children.get(key, 0):
+            if self._stamp.get(key) == (h, t) and not self._tree.children.get(key, 0):
                 self._pending = key
                 return key
             heapq.heappop(heap)

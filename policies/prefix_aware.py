@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 
-from policies._util import compact_due
+from policies._util import PrefixTree, compact_due, parent_of
 from policies.base import EntryInfo, EvictionPolicy
 
 
@@ -30,51 +30,31 @@ class PrefixAware(EvictionPolicy):
     name = "prefix"
 
     def __init__(self, capacity_hint: int | None = None) -> None:
-        self._parent: dict[str, str | None] = {}
+        self._tree = PrefixTree()
         self._tick_of: dict[str, int] = {}
-        self._children: dict[str, int] = {}  # parent key -> tracked children
         self._heap: list[tuple[int, str]] = []
         self._tick = 0
 
     def is_leaf(self, key: str) -> bool:
-        return key in self._parent and self._children.get(key, 0) == 0
+        return self._tree.is_leaf(key)
 
-    def _push_if_leaf(self, key: str) -> None:
-        if key in self._tick_of and self._children.get(key, 0) == 0:
-            heapq.heappush(self._heap, (self._tick_of[key], key))
-            if compact_due(len(self._heap), len(self._tick_of)):
-                self._heap = [
-                    (t, k) for k, t in self._tick_of.items() if self._children.get(k, 0) == 0
-                ]
-                heapq.heapify(self._heap)
-
-    def _link(self, key: str, parent: str | None) -> None:
-        self._parent[key] = parent
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
-
-    def _unlink(self, key: str) -> None:
-        parent = self._parent.pop(key)
-        if parent is None:
+    def _push_if_leaf(self, key: str | None) -> None:
+        children = self._tree.children
+        if key is None or key not in self._tick_of or children.get(key, 0):
             return
-        left = self._children[parent] - 1
-        if left:
-            self._children[parent] = left
-        else:
-            del self._children[parent]
-            self._push_if_leaf(parent)
+        heapq.heappush(self._heap, (self._tick_of[key], key))
+        if compact_due(len(self._heap), len(self._tick_of)):
+            self._heap = [(t, k) for k, t in self._tick_of.items() if children.get(k, 0) == 0]
+            heapq.heapify(self._heap)
 
     def on_insert(self, key: str, size: int, info: EntryInfo | None = None) -> None:
-        parent = info.parent if info is not None else None
-        if parent == key:
-            parent = None
-        if key in self._parent:
-            if info is not None and parent != self._parent[key]:
-                self._unlink(key)
-                self._link(key, parent)
+        parent = parent_of(key, info)
+        if key in self._tree:
+            if info is not None:
+                self._push_if_leaf(self._tree.relink(key, parent))
             self.on_access(key)
             return
-        self._link(key, parent)
+        self._tree.link(key, parent)
         self._tick += 1
         self._tick_of[key] = self._tick
         self._push_if_leaf(key)
@@ -86,16 +66,16 @@ class PrefixAware(EvictionPolicy):
             self._push_if_leaf(key)
 
     def on_remove(self, key: str) -> None:
-        if key not in self._parent:
+        if key not in self._tree:
             return
         del self._tick_of[key]
-        self._unlink(key)
+        self._push_if_leaf(self._tree.unlink(key))
 
     def victim(self) -> str | None:
         heap = self._heap
         while heap:
             t, key = heap[0]
-            if self._tick_of.get(key) == t and self._children.get(key, 0) == 0:
+            if self._tick_of.get(key) == t and self._tree.children.get(key, 0) == 0:
                 return key
             heapq.heappop(heap)
         if self._tick_of:  # only reachable with a parent cycle (malformed input)
@@ -103,7 +83,7 @@ class PrefixAware(EvictionPolicy):
         return None
 
     def __contains__(self, key: object) -> bool:
-        return key in self._parent
+        return key in self._tree
 
     def __len__(self) -> int:
-        return len(self._parent)
+        return len(self._tree)

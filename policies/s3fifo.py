@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from policies._util import DEFAULT_DETACHED, Detached
+from policies._util import DEFAULT_DETACHED, Detached, SmallMainGhost
 from policies.base import EntryInfo, EvictionPolicy
 
 MAX_FREQ = 3
 
 
-class S3FIFO(EvictionPolicy):
+class S3FIFO(SmallMainGhost, EvictionPolicy):
     name = "s3fifo"
 
     def __init__(self, capacity_hint: int | None = None, small_ratio: float = 0.1) -> None:
@@ -50,29 +50,8 @@ class S3FIFO(EvictionPolicy):
         )
 
     @property
-    def capacity(self) -> int:
-        return self.capacity_hint if self.capacity_hint is not None else max(1, self._peak)
-
-    @property
-    def small_target(self) -> int:
-        return max(1, int(self.small_ratio * self.capacity))
-
-    @property
     def ghost_limit(self) -> int:
         return max(1, self.capacity - self.small_target)
-
-    def queue_of(self, key: str) -> str | None:
-        """'small', 'main' or 'ghost' (for tests and introspection)."""
-        if key in self._small:
-            return "small"
-        if key in self._main:
-            return "main"
-        if key in self._ghost:
-            return "ghost"
-        return None
-
-    def ghost_size(self) -> int:
-        return len(self._ghost)
 
     def on_insert(self, key: str, size: int, info: EntryInfo | None = None) -> None:
         if key in self._freq:

@@ -34,11 +34,18 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-from policies._util import DEFAULT_DETACHED, Detached, compact_due
+from policies._util import (
+    DEFAULT_DETACHED,
+    Detached,
+    PrefixTree,
+    SmallMainGhost,
+    compact_due,
+    parent_of,
+)
 from policies.base import EntryInfo, EvictionPolicy
 
 
-class S3Prefix(EvictionPolicy):
+class S3Prefix(SmallMainGhost, EvictionPolicy):
     name = "s3prefix"
 
     def __init__(
@@ -59,8 +66,7 @@ class S3Prefix(EvictionPolicy):
         self._small: dict[str, int] = {}  # key -> insertion tick
         self._main: dict[str, int] = {}  # key -> last access tick
         self._read: set[str] = set()  # S chunks read since insertion
-        self._parent: dict[str, str | None] = {}
-        self._children: dict[str, int] = {}  # parent key -> tracked children
+        self._tree = PrefixTree()
         self._sheap: list[tuple[int, str]] = []
         self._mheap: list[tuple[int, str]] = []
         self._ghost: OrderedDict[str, None] = OrderedDict()
@@ -75,38 +81,18 @@ class S3Prefix(EvictionPolicy):
     # ------------------------------------------------------------ introspection
 
     @property
-    def capacity(self) -> int:
-        return self.capacity_hint if self.capacity_hint is not None else max(1, self._peak)
-
-    @property
-    def small_target(self) -> int:
-        return max(1, int(self.small_ratio * self.capacity))
-
-    @property
     def ghost_limit(self) -> int:
         return int(self.ghost_ratio * self.capacity)
 
-    def queue_of(self, key: str) -> str | None:
-        """'small', 'main' or 'ghost' (for tests and introspection)."""
-        if key in self._small:
-            return "small"
-        if key in self._main:
-            return "main"
-        if key in self._ghost:
-            return "ghost"
-        return None
-
-    def ghost_size(self) -> int:
-        return len(self._ghost)
-
     def is_leaf(self, key: str) -> bool:
-        return key in self._parent and self._children.get(key, 0) == 0
+        return self._tree.is_leaf(key)
 
     # ------------------------------------------------------------ heaps
 
-    def _push(self, key: str) -> None:
+    def _push(self, key: str | None) -> None:
         """Offer ``key`` to its queue's leaf heap (no-op unless it is a leaf)."""
-        if self._children.get(key, 0):
+        children = self._tree.children
+        if key is None or children.get(key, 0):
             return
         if key in self._main:
             heap, queue = self._mheap, self._main
@@ -116,12 +102,12 @@ class S3Prefix(EvictionPolicy):
             return
         heapq.heappush(heap, (queue[key], key))
         if compact_due(len(heap), len(queue)):
-            heap[:] = [(t, k) for k, t in queue.items() if not self._children.get(k, 0)]
+            heap[:] = [(t, k) for k, t in queue.items() if not children.get(k, 0)]
             heapq.heapify(heap)
 
     def _top(self, heap: list[tuple[int, str]], queue: dict[str, int]) -> str | None:
         """The live leaf with the smallest tick, dropping stale items."""
-        children = self._children
+        children = self._tree.children
         while heap:
             t, key = heap[0]
             if queue.get(key) == t and not children.get(key, 0):
@@ -131,22 +117,6 @@ class S3Prefix(EvictionPolicy):
 
     # ------------------------------------------------------------ tree
 
-    def _link(self, key: str, parent: str | None) -> None:
-        self._parent[key] = parent
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
-
-    def _unlink(self, key: str) -> None:
-        parent = self._parent.pop(key)
-        if parent is None:
-            return
-        left = self._children[parent] - 1
-        if left:
-            self._children[parent] = left
-        else:
-            del self._children[parent]
-            self._push(parent)
-
     def _to_main(self, key: str) -> None:
         """Move ``key`` and its ancestors still in S to M."""
         while key in self._small:
@@ -155,7 +125,7 @@ class S3Prefix(EvictionPolicy):
             self._tick += 1
             self._main[key] = self._tick
             self._push(key)
-            parent = self._parent[key]
+            parent = self._tree.parent[key]
             if parent is None:
                 return
             key = parent
@@ -163,16 +133,13 @@ class S3Prefix(EvictionPolicy):
     # ------------------------------------------------------------ interface
 
     def on_insert(self, key: str, size: int, info: EntryInfo | None = None) -> None:
-        parent = info.parent if info is not None else None
-        if parent == key:
-            parent = None
-        if key in self._parent:
-            if info is not None and parent != self._parent[key]:
-                self._unlink(key)
-                self._link(key, parent)
+        parent = parent_of(key, info)
+        if key in self._tree:
+            if info is not None:
+                self._push(self._tree.relink(key, parent))
             self.on_access(key)
             return
-        self._link(key, parent)
+        self._tree.link(key, parent)
         self._tick += 1
         state = self._detached.pop(key)
         if state is None and key in self._ghost:
@@ -186,7 +153,7 @@ class S3Prefix(EvictionPolicy):
             if state is not None and state[1]:
                 self._read.add(key)
             self._push(key)
-        self._peak = max(self._peak, len(self._parent))
+        self._peak = max(self._peak, len(self._tree))
 
     def on_access(self, key: str) -> None:
         if key in self._main:
@@ -211,7 +178,7 @@ class S3Prefix(EvictionPolicy):
             return
         was_read = key in self._read
         self._read.discard(key)
-        self._unlink(key)
+        self._push(self._tree.unlink(key))
         if key != self._pending:
             self._detached.put(key, (in_main, was_read))
         elif not in_main and self.ghost_limit:
@@ -234,13 +201,13 @@ class S3Prefix(EvictionPolicy):
         key = self._top(self._mheap, main)
         if key is None:
             key = self._top(self._sheap, small)
-        if key is None and self._parent:  # only reachable with a parent cycle (bad input)
-            key = min(self._parent, key=lambda k: small.get(k, main.get(k, 0)))
+        if key is None and self._tree:  # only reachable with a parent cycle (bad input)
+            key = min(self._tree.parent, key=lambda k: small.get(k, main.get(k, 0)))
         self._pending = key
         return key
 
     def __contains__(self, key: object) -> bool:
-        return key in self._parent
+        return key in self._tree
 
     def __len__(self) -> int:
-        return len(self._parent)
+        return len(self._tree)
