@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -42,6 +43,22 @@ def test_estimates_follow_measured_transfers() -> None:
     for _ in range(60):
         e.observe("nvme", 2 * MiB, 0.0005)
     assert e.rank(["nvme", "peer:b"], 2 * MiB) == ["nvme", "peer:b"]
+
+
+def test_one_stall_does_not_reorder_sources_but_a_slow_source_loses_its_place() -> None:
+    """A busy host stalls a single peer transfer for 200 ms: the peer stays ahead of S3's
+    prior. A peer that stays that slow falls behind S3 within a few transfers."""
+    e = SourceEstimator()
+    n = 512 * 1024
+    e.observe("peer:b", n, 0.200)  # the first transfer, stalled
+    assert e.rank(["peer:b", "s3"], n) == ["peer:b", "s3"]
+    e.observe("peer:b", n, 0.0015)  # back to normal
+    assert e.rank(["peer:b", "s3"], n) == ["peer:b", "s3"]
+    slow = 0
+    while e.rank(["peer:b", "s3"], n)[0] == "peer:b" and slow < 10:
+        e.observe("peer:b", n, 0.200)
+        slow += 1
+    assert e.rank(["peer:b", "s3"], n) == ["s3", "peer:b"] and slow <= 3
 
 
 def test_latency_and_bandwidth_separate_with_mixed_sizes() -> None:
@@ -87,15 +104,18 @@ async def test_a_fast_peer_beats_a_slow_local_disk(tmp_path: Path) -> None:
     directory = LocalDirectory()
     stores: dict[str, TieredStore] = {}
 
-    async def fetch(key: str, node: str) -> bytes | None:
+    async def fetch(key: str, node: str) -> tuple[bytes, float] | None:
         peer = stores.get(node)
         if peer is None:
             raise ConnectionError(f"{node} is down")
+        t0 = time.perf_counter()
         raw = await peer.slots[0].tier.get(key)
-        return None if raw is None else bytes(raw)
+        return None if raw is None else (bytes(raw), time.perf_counter() - t0)
 
     def node(name: str) -> TieredStore:
-        slots = [TierSlot(DRAMTier(8 * 128 * 1024, 128 * 1024, shm_name=f"tc_e_{uuid.uuid4().hex[:10]}"))]
+        slots = [
+            TierSlot(DRAMTier(8 * 128 * 1024, 128 * 1024, shm_name=f"tc_e_{uuid.uuid4().hex[:10]}"))
+        ]
         slots.append(TierSlot(NVMeTier(tmp_path / name, 64 * MiB)))
         return TieredStore(slots, node_id=name, directory=directory, peer_fetch=fetch)
 
@@ -115,7 +135,9 @@ async def test_a_fast_peer_beats_a_slow_local_disk(tmp_path: Path) -> None:
         a.estimates.observe("peer:b", len(raw), 0.001)
     assert await a._plan(k) == ["peer:b", "nvme"]
     hit = await a.get(k, expect_fingerprint=FP, promote=False)
-    assert hit is not None and hit.source == "peer" and bytes(hit.payload) == raw[codec.HEADER_SIZE :]
+    assert (
+        hit is not None and hit.source == "peer" and bytes(hit.payload) == raw[codec.HEADER_SIZE :]
+    )
 
     # The real transfer fed the estimate, and operators see it.
     assert a.estimates.estimate("peer:b").samples == 21

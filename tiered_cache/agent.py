@@ -364,7 +364,7 @@ class NodeAgent:
 
     # ---------------------------------------------------------------- peers
 
-    async def _peer_fetch(self, key: str, node_id: str) -> bytes | None:
+    async def _peer_fetch(self, key: str, node_id: str) -> tuple[bytes, float] | None:
         nodes = await self.directory.nodes()
         info = nodes.get(node_id)
         if not info or not info.get("peer"):
@@ -379,13 +379,16 @@ class NodeAgent:
                         conn = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
                         self._peer_conns[node_id] = conn
                     r, w = conn
+                    t0 = time.perf_counter()
                     w.write(pack({"op": "fetch", "key": key}))
                     await w.drain()
                     msg = await asyncio.wait_for(read_msg(r), 30.0)
                     if msg is None:
                         raise ConnectionError("peer closed")
                     data = msg.get("data")
-                    return data if isinstance(data, bytes) else None
+                    if not isinstance(data, bytes):
+                        return None
+                    return data, time.perf_counter() - t0
                 except (OSError, asyncio.TimeoutError, ConnectionError):
                     self._peer_conns.pop(node_id, None)
                     conn = None

@@ -9,6 +9,11 @@ forgetting), anchored by two prior pseudo-transfers (64 KiB and 32 MiB) that nev
 with chunks of a single size the slope alone is unidentifiable, and the anchors keep the fit
 sane while the observed point dominates at the sizes actually seen. Until a source has been
 used its priors give the static order DRAM < NVMe < peer < S3.
+
+A transfer slower than ``_CLIP``× its source's current expectation counts as that bound: one
+scheduling stall on a busy host must not hand every later chunk to a slower source, while a
+source that stays slow overtakes the others within a few transfers (the bound grows ``_CLIP``×
+per transfer). Faster-than-expected transfers are taken as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ PRIORS: dict[str, tuple[float, float]] = {
 _ANCHORS = (64 * 2**10, 32 * 2**20)
 _ANCHOR_WEIGHT = 0.01  # a 100th of a real transfer: measurements win after a few
 _MIN_SECONDS_PER_BYTE = 1 / 200e9  # no source beats 200 GB/s: keeps b > 0
+_CLIP = 4.0  # a transfer counts as at most this many times its expected time
 
 
 def kind_of(source: str) -> str:
@@ -82,6 +88,7 @@ class SourceEstimator:
     def observe(self, source: str, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0:
             return
+        seconds = min(seconds, _CLIP * self.expected_s(source, nbytes))
         with self._lock:
             f = self._fits.get(source)
             if f is None:

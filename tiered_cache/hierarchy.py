@@ -33,8 +33,11 @@ from tiered_cache.tiers.dram import DRAMTier
 log = logging.getLogger(__name__)
 
 WriteMode = Literal["write_through", "write_back"]
-# Fetches a verified-or-not encoded chunk from another node: (key, node_id) -> bytes | None.
-PeerFetch = Callable[[str, str], Awaitable[bytes | None]]
+# Fetches an encoded chunk (not yet verified) from another node: (key, node_id) -> None when
+# the peer lacks it, else (bytes, seconds the transfer itself took). The fetcher times only the
+# request and reply, not its own queueing or connection set-up, which say nothing about the
+# source's speed and would skew the estimates.
+PeerFetch = Callable[[str, str], Awaitable[tuple[bytes, float] | None]]
 
 
 class PinRefused(ValueError):
@@ -380,9 +383,7 @@ class TieredStore:
         Sources are tried by expected transfer time (``estimates``): with the priors that is
         this node's DRAM, its NVMe, a peer node's DRAM/NVMe, then S3; measured transfers can
         reorder them, e.g. a peer's DRAM ahead of a slow local disk."""
-        return await self._get_planned(
-            key, await self._plan(key), expect_fingerprint, promote
-        )
+        return await self._get_planned(key, await self._plan(key), expect_fingerprint, promote)
 
     async def _get_planned(
         self, key: str, plan: list[str], expect_fp: bytes | None, promote: bool
@@ -423,7 +424,11 @@ class TieredStore:
                 for loc in locs:
                     p = f"peer:{loc.node_id}"
                     # A peer serves from all its tiers: list it once.
-                    if loc.node_id != self.node_id and loc.tier in ("dram", "nvme") and p not in cands:
+                    if (
+                        loc.node_id != self.node_id
+                        and loc.tier in ("dram", "nvme")
+                        and p not in cands
+                    ):
                         cands.append(p)
         if "s3" in self.by_name:
             cands.append("s3")
@@ -504,15 +509,14 @@ class TieredStore:
     async def _fetch_from_peer(self, key: str, node: str, expect_fp: bytes | None) -> Hit | None:
         if self.peer_fetch is None:
             return None
-        t0 = time.perf_counter()
         try:
-            raw = await self.peer_fetch(key, node)
+            got = await self.peer_fetch(key, node)
         except Exception as e:
             log.warning("peer %s fetch of %s failed: %s", node, key, e)
             return None
-        if raw is None:
+        if got is None:
             return None
-        dt = time.perf_counter() - t0
+        raw, dt = got
         try:
             meta, payload = codec.decode(raw, expect_key=key, expect_fingerprint=expect_fp)
         except codec.ChunkError as e:
