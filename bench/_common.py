@@ -127,7 +127,7 @@ def agent_process(tmp: Path, capacity: int, slot_bytes: int) -> Iterator[str]:
     it would share the GIL with the client's copies); yields its socket path."""
     import yaml
 
-    from tiered_cache.agent import wait_for_socket
+    from tiered_cache.agent import spawn_agent
     from tiered_cache.config import load_config
 
     name = uuid.uuid4().hex[:6]
@@ -140,13 +140,8 @@ def agent_process(tmp: Path, capacity: int, slot_bytes: int) -> Iterator[str]:
     )
     cfg_path = tmp / f"agent-{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = spawn_agent(cfg_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for_socket(cfg.socket_path, 60)
         yield cfg.socket_path
     finally:
         proc.terminate()

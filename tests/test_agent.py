@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tiered_cache import codec
-from tiered_cache.agent import wait_for_socket
+from tiered_cache.agent import spawn_agent
 from tiered_cache.client import AgentClient, open_store, shutdown_embedded
 from tiered_cache.keys import ModelFingerprint, chunk_keys
 
@@ -61,19 +61,7 @@ def write_cfg(tmp: Path, **over: object) -> Path:
 
 
 def start_agent(cfg: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
-    try:
-        wait_for_socket(sock, 30)
-    except TimeoutError:
-        proc.kill()
-        raise AssertionError(proc.communicate()[0]) from None
-    return proc
+    return spawn_agent(cfg, timeout=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture

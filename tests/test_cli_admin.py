@@ -26,7 +26,7 @@ from click.testing import CliRunner, Result
 from conftest import free_port
 
 from tiered_cache import codec
-from tiered_cache.agent import wait_for_socket
+from tiered_cache.agent import spawn_agent
 from tiered_cache.cli import main
 from tiered_cache.client import AgentClient
 from tiered_cache.keys import ModelFingerprint, chunk_keys
@@ -64,18 +64,7 @@ def write_cfg(tmp: Path, **over: Any) -> Path:
 
 
 def start_agent(cfg: Path, *args: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        wait_for_socket(yaml.safe_load(cfg.read_text())["agent"]["socket"], 60)
-    except TimeoutError:
-        proc.kill()
-        raise AssertionError(proc.communicate()[0]) from None
-    return proc
+    return spawn_agent(cfg, *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,19 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter as CounterT
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from policies import EntryInfo, make_admission, make_eviction
 from tiered_cache import codec
-from tiered_cache.config import CacheConfig
+from tiered_cache.config import CacheConfig, load_config
 from tiered_cache.directory import (
     Directory,
     DirectoryUnavailable,
@@ -741,6 +744,28 @@ class EmbeddedAgent:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+
+
+def spawn_agent(
+    cfg_path: str | os.PathLike[str], *args: str, timeout: float = 60.0, **popen: Any
+) -> subprocess.Popen[Any]:
+    """``tiered-cache agent -c CFG ARGS`` as a child process (how a node runs it), returned
+    once its socket accepts. ``popen`` goes to ``subprocess.Popen`` (stdout, env, ...). If
+    the agent does not come up it is killed, and the error carries its output when piped."""
+    socket_path = load_config(cfg_path).socket_path
+    Path(socket_path).unlink(missing_ok=True)  # a killed agent leaves it behind
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg_path), *args], **popen
+    )
+    try:
+        wait_for_socket(socket_path, timeout)
+    except TimeoutError as e:
+        proc.kill()
+        out = proc.communicate()[0] if proc.stdout is not None else None
+        if isinstance(out, bytes):
+            out = out.decode(errors="replace")
+        raise TimeoutError(f"{e}:\n{out}" if out else str(e)) from None
+    return proc
 
 
 def wait_for_socket(path: str, timeout: float = 30.0) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from tiered_cache.vllm_launch import free_port, spawn, stop_group
+from tiered_cache.vllm_launch import LoggedProcess, free_port, spawn, stop_group
 
 ADAPTER_MODULE = "connectors.lmcache_mp"
 ADAPTER_CLASS = "TieredCacheL2Adapter"
@@ -58,7 +58,7 @@ def mp_kv_transfer_config(
 
 
 @dataclass
-class LMCacheServer:
+class LMCacheServer(LoggedProcess):
     """One ``lmcache server`` process. ``l2_adapters`` are ``--l2-adapter`` specs (see
     ``tiered_l2_adapter``); ports default to free ones and survive ``restart``."""
 
@@ -137,12 +137,3 @@ class LMCacheServer:
         """Stop and start again on the same ports: L1 is lost, L2 (our tiers) is not."""
         self.stop()
         return self.start().wait_ready(timeout)
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:])

@@ -88,8 +88,23 @@ def kv_transfer_config(
     return cfg
 
 
+class LoggedProcess:
+    """A launched server whose stdout and stderr go to ``log_path``."""
+
+    log_path: Path
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+
 @dataclass
-class VllmServer:
+class VllmServer(LoggedProcess):
     name: str
     model: str
     port: int
@@ -172,15 +187,6 @@ class VllmServer:
             time.sleep(0.25)
         self.stop()
         raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.log_tail()}")
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:])
 
     def stop(self) -> None:
         proc = self.proc

@@ -135,22 +135,19 @@ class AgentProc:
         return str(self.cfg["agent"]["socket"])
 
     def start(self, timeout: float = 60.0) -> AgentProc:
-        from tiered_cache.agent import wait_for_socket
+        from tiered_cache.agent import spawn_agent
 
-        Path(self.socket).unlink(missing_ok=True)  # a killed agent leaves it behind
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(self.cfg_path)],
-            cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        try:
-            wait_for_socket(self.socket, timeout)
-        except TimeoutError:
-            self.kill()
-            raise AssertionError(f"agent {self.name} did not start:\n{self.log_tail()}") from None
+        with open(self.log_path, "ab") as log:
+            try:
+                self.proc = spawn_agent(
+                    self.cfg_path, timeout=timeout, cwd=str(REPO), env=env, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            except TimeoutError:
+                raise AssertionError(
+                    f"agent {self.name} did not start:\n{self.log_tail()}"
+                ) from None
         return self
 
     def log_tail(self, n: int = 40) -> str:
