@@ -71,7 +71,7 @@ def bench_dram(size: int, iters: int, tmp: Path) -> dict[str, Any]:
 
     ref_bput = _stats(_time(ref_batch_put, batches), size * BATCH)
     ref_bget = _stats(_time(ref_batch_get, batches), size * BATCH)
-    del ring
+    ring.clear()  # free the reference buffers before the agent allocates its pool
 
     slot = size + codec.HEADER_SIZE
     n_slots = (iters + 2) + BATCH * (batches + 1)
