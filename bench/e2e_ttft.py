@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +354,7 @@ def run(
         name: str,
         kv: dict[str, Any] | None,
         env: dict[str, str] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> VllmServer:
         s = VllmServer(
             name,
@@ -366,6 +367,7 @@ def run(
             max_model_len=4096,
             served_name="bench",
             max_num_seqs=1,
+            extra_args=extra_args,
         )
         servers.append(s)
         return s
@@ -392,6 +394,9 @@ def run(
             "kv_connector_extra_config": {"shared_storage_path": str(example_dir)},
         },
     )
+    # The floor: vLLM's own prefix cache, so the KV is already in place and a hit pays one
+    # decode step and the API, nothing else. (The only server with prefix caching on.)
+    floor = srv("floor", None, extra_args=["--enable-prefix-caching"])
     lm = start_lmcache(work, procs, store_a)
     if lm is not None:
         lm["fs_vllm"] = srv("lmcache-fs", lm["fs"].kv_transfer_config(heartbeat_interval_s=1))
@@ -474,6 +479,10 @@ def run(
     cases["example_store"] = measure(ex, prompt, 1)
     cases["example_hit"] = measure(ex, prompt, runs)
 
+    say("floor: vLLM's own prefix cache hit (no connector; the KV is already in place)")
+    cases["floor_store"] = measure(floor, prompt, 1)
+    cases["floor_prefix_cache_hit"] = measure(floor, prompt, runs)
+
     def t(name: str) -> float | None:
         v = cases.get(name, {}).get("ttft_s")
         return float(v) if v is not None else None
@@ -497,6 +506,14 @@ def run(
         "lmcache_ours_l2_vs_lmcache_fs_l2": ratio(
             t("lmcache_mp_l2_ours_hit"), t("lmcache_mp_l2_fs_hit")
         ),
+    }
+    # What each hit costs above the floor: the handoff itself (lookup, load, copy-in).
+    fl = t("floor_prefix_cache_hit")
+    out["over_floor_s"] = {
+        name: (v - fl if v is not None and fl is not None else None)
+        for name, v in (
+            (n, t(n)) for n in ("dram_hit", "example_hit", "lmcache_mp_l1_hit", "nvme_hit_warm")
+        )
     }
     out["best_peer"] = "ExampleConnector" if best_peer == t("example_hit") else "LMCache MP L1"
     return out
