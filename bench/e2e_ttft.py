@@ -394,9 +394,6 @@ def run(
             "kv_connector_extra_config": {"shared_storage_path": str(example_dir)},
         },
     )
-    # The floor: vLLM's own prefix cache, so the KV is already in place and a hit pays one
-    # decode step and the API, nothing else. (The only server with prefix caching on.)
-    floor = srv("floor", None, extra_args=["--enable-prefix-caching"])
     lm = start_lmcache(work, procs, store_a)
     if lm is not None:
         lm["fs_vllm"] = srv("lmcache-fs", lm["fs"].kv_transfer_config(heartbeat_interval_s=1))
@@ -479,6 +476,14 @@ def run(
     cases["example_store"] = measure(ex, prompt, 1)
     cases["example_hit"] = measure(ex, prompt, runs)
 
+    # The floor: vLLM's own prefix cache, so the KV is already in place and a hit pays one
+    # decode step and the API, nothing else. Started alone, once the others are stopped (a
+    # ninth vLLM process does not fit in memory here).
+    for s in servers:
+        s.stop()
+    floor = srv("floor", None, extra_args=["--enable-prefix-caching"])
+    floor.start().wait_ready(900)
+    floor.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
     say("floor: vLLM's own prefix cache hit (no connector; the KV is already in place)")
     cases["floor_store"] = measure(floor, prompt, 1)
     cases["floor_prefix_cache_hit"] = measure(floor, prompt, runs)
