@@ -170,7 +170,7 @@ def start_lmcache(
         ("ours", tiered_l2_adapter(store)),
     ):
         out[name] = LMCacheServer(
-            work / f"lmcache-{name}.log",
+            work / f"lmcache-server-{name}.log",
             l2_adapters=[l2],
             l1_size_gb=1.0,
             extra_args=["--shm-name", f"tcb_lm_{name}_{uuid.uuid4().hex[:8]}"],

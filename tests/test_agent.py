@@ -113,10 +113,15 @@ def test_sigterm_writes_back_and_restart_serves(tmp_path: Path) -> None:
     keys = chunk_keys(np.arange(32 * 5), FP)
     c.put_many([(meta(k), payload(i)) for i, k in enumerate(keys)])
     c.close()
+    idle = AgentClient(sock)  # still connected when the agent stops
+    assert idle.lookup(keys[:1]) == ["dram"]
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
+    idle.close()
     assert proc.returncode == 0, out
     assert "wrote back 5 DRAM chunks to nvme" in out
+    # A clean stop logs no errors, even with a client still connected.
+    assert "ERROR" not in out and "Traceback" not in out, out
     proc = start_agent(cfg)
     try:
         c = AgentClient(sock)

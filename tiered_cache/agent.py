@@ -418,6 +418,8 @@ class NodeAgent:
                                 break
                 w.write(pack({"ok": True, "data": data}))
                 await w.drain()
+        except asyncio.CancelledError:
+            pass  # the agent is stopping (see _serve_local)
         except Exception:
             log.exception("peer connection failed")
         finally:
@@ -449,6 +451,10 @@ class NodeAgent:
                     continue
                 w.write(pack(reply))
                 await w.drain()
+        except asyncio.CancelledError:
+            # The agent is stopping. End quietly: Python 3.11's stream server logs an ERROR
+            # for every handler task that ends cancelled.
+            pass
         finally:
             # A client that died mid-transfer must not leak slots or leases.
             for slot, n in conn.leases.items():
