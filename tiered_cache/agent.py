@@ -47,6 +47,11 @@ from tiered_cache.tiers.dram import DRAMTier
 
 log = logging.getLogger("tiered_cache.agent")
 
+PEER_CONNECTIONS = 4  # parallel chunk fetches per peer (the agent's get loads 8 at once)
+# Stream buffer for peer frames: with asyncio's 64 KiB default a multi-MiB chunk is read
+# through dozens of pause/resume cycles of the transport.
+PEER_STREAM_LIMIT = 8 * 2**20
+
 
 def _policy_kwargs(p: Any) -> dict[str, Any]:
     return {"k": p.admission_k} if p.admission.lower() == "frequency" else {}
@@ -155,8 +160,10 @@ class NodeAgent:
         self._stopped = asyncio.Event()
         self._pins_version = -1
         self.peer_address: tuple[str, int] | None = None
-        self._peer_conns: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
-        self._peer_locks: dict[str, asyncio.Lock] = {}
+        # Per peer: idle connections, and a bound on fetches in flight (one per connection).
+        self._peer_idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._peer_sems: dict[str, asyncio.Semaphore] = {}
+        self._peer_addrs: dict[str, tuple[str, int]] = {}  # from the directory's heartbeats
         self._counted: dict[str, float] = {}
         # Fingerprints of connected vLLM connectors (refreshed in the directory with every
         # heartbeat while a client that registered them stays connected).
@@ -177,7 +184,10 @@ class NodeAgent:
         self._servers.append(srv)
         if self.cfg.agent.peer_port is not None:
             psrv = await asyncio.start_server(
-                self._serve_peer, self.cfg.agent.peer_host, self.cfg.agent.peer_port
+                self._serve_peer,
+                self.cfg.agent.peer_host,
+                self.cfg.agent.peer_port,
+                limit=PEER_STREAM_LIMIT,
             )
             self._servers.append(psrv)
             sockname = psrv.sockets[0].getsockname()
@@ -225,8 +235,9 @@ class NodeAgent:
         await self.write_back_dirty()
         await self.store.flush()
         await self._push_counters()
-        for _, w in self._peer_conns.values():
-            w.close()
+        for conns in self._peer_idle.values():
+            for _, w in conns:
+                w.close()
         await self.store.close()
         await self.directory.close()
         with contextlib.suppress(FileNotFoundError):
@@ -367,20 +378,36 @@ class NodeAgent:
 
     # ---------------------------------------------------------------- peers
 
+    async def _peer_address(self, node_id: str, refresh: bool) -> tuple[str, int] | None:
+        """The peer's TCP address, asking the directory only when not known or ``refresh``
+        (after a failure: the peer may have restarted on another port)."""
+        if refresh or node_id not in self._peer_addrs:
+            info = (await self.directory.nodes()).get(node_id)
+            if not info or not info.get("peer"):
+                self._peer_addrs.pop(node_id, None)
+                return None
+            host, port = info["peer"]
+            self._peer_addrs[node_id] = (str(host), int(port))
+        return self._peer_addrs[node_id]
+
     async def _peer_fetch(self, key: str, node_id: str) -> tuple[bytes, float] | None:
-        nodes = await self.directory.nodes()
-        info = nodes.get(node_id)
-        if not info or not info.get("peer"):
-            return None
-        host, port = info["peer"]
-        lock = self._peer_locks.setdefault(node_id, asyncio.Lock())
-        async with lock:
-            conn = self._peer_conns.get(node_id)
+        """One chunk from a peer's DRAM/NVMe: (encoded bytes, wire seconds), or None.
+
+        Up to ``PEER_CONNECTIONS`` fetches per peer run at once, each on its own pooled
+        connection, so the chunks of one request arrive in parallel."""
+        sem = self._peer_sems.setdefault(node_id, asyncio.Semaphore(PEER_CONNECTIONS))
+        idle = self._peer_idle.setdefault(node_id, [])
+        async with sem:
             for attempt in (0, 1):
+                addr = await self._peer_address(node_id, refresh=attempt > 0)
+                if addr is None:
+                    return None
+                conn = idle.pop() if idle else None
                 try:
                     if conn is None:
-                        conn = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
-                        self._peer_conns[node_id] = conn
+                        conn = await asyncio.wait_for(
+                            asyncio.open_connection(*addr, limit=PEER_STREAM_LIMIT), 2.0
+                        )
                     r, w = conn
                     t0 = time.perf_counter()
                     w.write(pack({"op": "fetch", "key": key}))
@@ -388,13 +415,16 @@ class NodeAgent:
                     msg = await asyncio.wait_for(read_msg(r), 30.0)
                     if msg is None:
                         raise ConnectionError("peer closed")
+                    dt = time.perf_counter() - t0
+                    idle.append(conn)
                     data = msg.get("data")
-                    if not isinstance(data, bytes):
-                        return None
-                    return data, time.perf_counter() - t0
+                    return (data, dt) if isinstance(data, bytes) else None
                 except (OSError, asyncio.TimeoutError, ConnectionError):
-                    self._peer_conns.pop(node_id, None)
-                    conn = None
+                    if conn is not None:
+                        conn[1].close()
+                    for _, w in idle:  # same peer, likely just as dead
+                        w.close()
+                    idle.clear()
                     if attempt:
                         raise
         return None
@@ -508,7 +538,7 @@ class NodeAgent:
                 if got is None:
                     out.append(None)
                 elif isinstance(got, Hit):
-                    out.append({"data": codec.encode(got.meta, got.payload), "src": got.source})
+                    out.append({"data": got.encoded(), "src": got.source})
                 else:
                     conn.leases[got[0]] += 1
                     out.append({"slot": got[0], "len": got[1], "src": src})
@@ -628,7 +658,7 @@ class NodeAgent:
         found.sort(key=lambda e: e["key"])
         return {"entries": found[: max(0, limit)], "total": len(found)}
 
-    async def _warm_source(self, key: str) -> bytes | None:
+    async def _warm_source(self, key: str) -> bytes | bytearray | memoryview | None:
         """The nearest verified copy of ``key`` (a tier of this node, then a peer), read
         without counting a hit: warming is not traffic."""
         for slot in self.store.slots:
@@ -644,7 +674,7 @@ class NodeAgent:
                 continue
             return bytes(raw)
         hit = await self.store._get_from_peer(key, None)
-        return None if hit is None else codec.encode(hit.meta, hit.payload)
+        return None if hit is None else hit.encoded()
 
     async def _warm(self, pin: Pin) -> dict[str, Any]:
         """Copy each chunk of ``pin`` into every pinned tier of this node that lacks it."""

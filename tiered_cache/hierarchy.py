@@ -62,6 +62,13 @@ class Hit:
     meta: ChunkMeta
     payload: memoryview
     source: str  # tier name, or "peer"
+    # The verified encoded chunk ``payload`` points into, when the read produced one: it
+    # can be stored in another tier as is, without re-encoding (a copy and a checksum).
+    raw: bytes | bytearray | memoryview | None = None
+
+    def encoded(self) -> bytes | bytearray | memoryview:
+        """The chunk in its stored form (header + payload)."""
+        return self.raw if self.raw is not None else codec.encode(self.meta, self.payload)
 
 
 class TieredStore:
@@ -488,7 +495,7 @@ class TieredStore:
         self.metrics.hit_tokens.labels(source or name).inc(meta.num_tokens)
         self.metrics.bytes_read.labels(source or name).inc(n)
         self.metrics.load_seconds.labels(source or name).observe(dt)
-        return Hit(meta, payload, source or name)
+        return Hit(meta, payload, source or name, raw)
 
     async def _get_from_peer(self, key: str, expect_fp: bytes | None) -> Hit | None:
         """The first verified copy from any peer that the directory says holds ``key``."""
@@ -529,13 +536,13 @@ class TieredStore:
         self.metrics.bytes_read.labels("peer").inc(len(raw))
         self.metrics.load_seconds.labels("peer").observe(dt)
         self.metrics.peer_transfers.labels("in").inc()
-        return Hit(meta, payload, "peer")
+        return Hit(meta, payload, "peer", raw)
 
     async def _promote(self, key: str, hit: Hit) -> None:
         top = self.slots[0]
         if (await top.tier.contains_many([key]))[0]:
             return
-        raw = codec.encode(hit.meta, hit.payload)
+        raw = hit.encoded()
         await self._write_tier(top, key, raw)
 
     # ------------------------------------------------ shared-memory slot protocol
@@ -645,7 +652,7 @@ class TieredStore:
             return None
         if served is not None:
             served.append(hit.source)
-        await self._write_tier(top, key, codec.encode(hit.meta, hit.payload))
+        await self._write_tier(top, key, hit.encoded())
         got = tier.acquire(key)
         return got if got is not None else hit
 
