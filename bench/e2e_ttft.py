@@ -237,6 +237,7 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     servers: list[VllmServer] = []
     agents: list[Agent] = []
+    shm_before = set(Path("/dev/shm").glob("psm_*"))
     try:
         res = run(work, runs, procs, servers, agents)
     finally:
@@ -248,6 +249,10 @@ def main() -> None:
             lms.stop()
         for p in procs:
             stop_group(p)
+        # vLLM workers killed in a group leave their shared-memory segments behind (GBs over
+        # a few runs, until the next run is OOM-killed): every process of ours is gone now.
+        for f in set(Path("/dev/shm").glob("psm_*")) - shm_before:
+            f.unlink(missing_ok=True)
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
     if a.json:
