@@ -73,7 +73,11 @@ class Agent:
         from tiered_cache.agent import wait_for_socket
 
         if fresh_dram:
-            self.cfg.setdefault("dram", {})["shm_name"] = f"tcb_{uuid.uuid4().hex[:10]}"
+            dram = self.cfg.setdefault("dram", {})
+            if dram.get("shm_name") and self.proc is None:
+                # A stopped agent leaves its pool for a successor to recover: drop it.
+                Path("/dev/shm", dram["shm_name"]).unlink(missing_ok=True)
+            dram["shm_name"] = f"tcb_{uuid.uuid4().hex[:10]}"
         self.path.write_text(yaml.safe_dump(self.cfg))
         self.proc = spawn(
             [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(self.path)],
@@ -249,9 +253,12 @@ def main() -> None:
             lms.stop()
         for p in procs:
             stop_group(p)
-        # vLLM workers killed in a group leave their shared-memory segments behind (GBs over
-        # a few runs, until the next run is OOM-killed): every process of ours is gone now.
-        for f in set(Path("/dev/shm").glob("psm_*")) - shm_before:
+        # vLLM workers killed in a group leave their shared-memory segments behind, and
+        # stopped agents their DRAM pools (GBs over a few runs, until the next run is
+        # OOM-killed): every process of ours is gone now.
+        for f in set(Path("/dev/shm").glob("psm_*")) - shm_before | set(
+            Path("/dev/shm").glob("tcb_*")
+        ):
             f.unlink(missing_ok=True)
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
