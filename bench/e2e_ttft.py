@@ -84,12 +84,15 @@ class Agent:
             self.work / f"{self.name}.log",
             extra_env=S3_ENV,
         )
-        wait_for_socket(self.sock, 60)
+        wait_for_socket(self.sock, 120)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        t = time.monotonic()
         stop_group(self.proc, sig)
         self.proc = None
+        if time.monotonic() - t > 5:
+            say(f"agent {self.name} took {time.monotonic() - t:.0f}s to stop")
 
     def restart(self) -> None:
         self.stop()
