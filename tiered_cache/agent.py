@@ -39,7 +39,7 @@ from tiered_cache.directory import (
     RedisDirectory,
 )
 from tiered_cache.hierarchy import Hit, PinRefused, TieredStore, TierSlot
-from tiered_cache.ipc import pack, read_msg
+from tiered_cache.ipc import IPCError, pack, read_msg
 from tiered_cache.metrics import Metrics
 from tiered_cache.pinfile import PinFileError, plan_pin_import, read_pin_file
 from tiered_cache.tiers.base import Tier
@@ -155,7 +155,7 @@ class NodeAgent:
             peer_fetch=self._peer_fetch,
         )
         self._servers: list[asyncio.base_events.Server] = []
-        self._local_tasks: set[asyncio.Task[None]] = set()  # one per connected client
+        self._local_tasks: set[asyncio.Task[None]] = set()  # one per connected client or peer
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._pins_version = -1
@@ -419,7 +419,8 @@ class NodeAgent:
                     idle.append(conn)
                     data = msg.get("data")
                     return (data, dt) if isinstance(data, bytes) else None
-                except (OSError, asyncio.TimeoutError, ConnectionError):
+                except (OSError, EOFError, asyncio.TimeoutError, IPCError, ValueError):
+                    # EOFError: the peer died mid-reply; ValueError: a garbled frame.
                     if conn is not None:
                         conn[1].close()
                     for _, w in idle:  # same peer, likely just as dead
@@ -427,9 +428,16 @@ class NodeAgent:
                     idle.clear()
                     if attempt:
                         raise
+                except BaseException:  # cancelled mid-reply: the stream is unusable
+                    if conn is not None:
+                        conn[1].close()
+                    raise
         return None
 
     async def _serve_peer(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        if me is not None:  # cancelled by stop(), like local clients' handlers
+            self._local_tasks.add(me)
         try:
             while True:
                 msg = await read_msg(r)
@@ -454,6 +462,8 @@ class NodeAgent:
             log.exception("peer connection failed")
         finally:
             w.close()
+            if me is not None:
+                self._local_tasks.discard(me)
 
     # ---------------------------------------------------------------- local clients
 
@@ -794,7 +804,7 @@ def spawn_agent(
         [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg_path), *args], **popen
     )
     try:
-        wait_for_socket(socket_path, timeout)
+        wait_for_socket(socket_path, timeout, alive=lambda: proc.poll() is None)
     except TimeoutError as e:
         proc.kill()
         out = proc.communicate()[0] if proc.stdout is not None else None
@@ -804,11 +814,17 @@ def spawn_agent(
     return proc
 
 
-def wait_for_socket(path: str, timeout: float = 30.0) -> None:
+def wait_for_socket(
+    path: str, timeout: float = 30.0, alive: Callable[[], bool] | None = None
+) -> None:
+    """Until a unix socket at ``path`` accepts; TimeoutError after ``timeout`` s, or as soon
+    as ``alive()`` says the process that should open it has gone."""
     import socket as _s
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise TimeoutError(f"agent exited before its socket {path} appeared")
         try:
             with _s.socket(_s.AF_UNIX) as s:
                 s.connect(path)

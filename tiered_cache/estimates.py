@@ -11,9 +11,10 @@ sane while the observed point dominates at the sizes actually seen. Until a sour
 used its priors give the static order DRAM < NVMe < peer < S3.
 
 A transfer slower than ``_CLIP``× its source's current expectation counts as that bound: one
-scheduling stall on a busy host must not hand every later chunk to a slower source, while a
-source that stays slow overtakes the others within a few transfers (the bound grows ``_CLIP``×
-per transfer). Faster-than-expected transfers are taken as they are.
+scheduling stall on a busy host must not hand every later chunk to a slower source. A source
+that stays slow still loses its place: within 2-3 transfers when it has little history, and
+within about a dozen after a long one (the estimate is a forgetting average, so it rises by
+less than ``_CLIP``× per transfer). Faster-than-expected transfers are taken as they are.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class SourceEstimator:
         self._lock = threading.Lock()
 
     def observe(self, source: str, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or seconds <= 0:
+        if nbytes <= 0 or not seconds > 0:  # also drops NaN
             return
         seconds = min(seconds, _CLIP * self.expected_s(source, nbytes))
         with self._lock:
