@@ -373,3 +373,23 @@ def test_every_node_honours_a_pin_within_seconds(tmp_path: Path, redis_server) -
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_client_stash_leaves_room_in_a_small_pool(
+    agent: tuple[Path, subprocess.Popen[str]],
+) -> None:
+    """The agent hands a committing client free slots for its next put, but at most a 16th
+    of the pool (here 16 slots: one), so busy clients cannot reserve a small pool away."""
+    cfg, _ = agent
+    c = AgentClient(yaml.safe_load(cfg.read_text())["agent"]["socket"])
+    try:
+        keys = chunk_keys(np.arange(32 * 8), FP)
+        c.put_many([(meta(k), payload(i)) for i, k in enumerate(keys)])  # asks for 8
+        assert len(c._stash) == 1
+        more = chunk_keys(np.arange(32 * 12), FP)[8:]
+        for i, k in enumerate(more):
+            c.put_many([(meta(k), payload(i))])
+            assert len(c._stash) <= 1
+        assert c.lookup(keys) == ["dram"] * 8
+    finally:
+        c.close()

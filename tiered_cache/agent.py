@@ -576,12 +576,14 @@ class NodeAgent:
                     key, slot, length, info=EntryInfo(parent, pos), wait=bool(msg.get("wait"))
                 )
             # Hand the client free slots for its next put, so a put costs one round trip
-            # (commit) instead of two. Only slots free without evicting, and never the last
-            # quarter of the pool.
+            # (commit) instead of two. Only slots free without evicting, never the last
+            # quarter of the pool, and at most a 16th of it per client: in a small pool the
+            # stashes of busy clients would otherwise leave nothing to evict for a pin.
             dram = store.slots[0].tier
             stash: list[int] = []
             if isinstance(dram, DRAMTier):
-                for _ in range(min(int(msg.get("refill") or 0), 8)):
+                give = min(int(msg.get("refill") or 0), 8, dram.num_slots // 16)
+                for _ in range(give):
                     if dram.free_slots <= dram.num_slots // 4:
                         break
                     sl = dram.reserve()
