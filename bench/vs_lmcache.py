@@ -409,6 +409,18 @@ def bench_dram(s: Stream, lmc: LMCache, tmp: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- NVMe
 
 
+def _close_nvme(
+    disk: Any, ours: dict[str, Any], loop: asyncio.AbstractEventLoop, base: Path
+) -> None:
+    """Close LMCache's disk backend and our NVMe tiers, and remove their files."""
+    if disk is not None:
+        disk.close()
+    for t in ours.values():
+        loop.run_until_complete(t.close())
+    for d in base.iterdir():
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _nvme_mode(
     s: Stream,
     lmc: LMCache,
@@ -467,12 +479,7 @@ def _nvme_mode(
         }
         return out
     finally:
-        if disk is not None:
-            disk.close()
-        for t in ours.values():
-            loop.run_until_complete(t.close())
-        for d in base.iterdir():
-            shutil.rmtree(d, ignore_errors=True)
+        _close_nvme(disk, ours, loop, base)
 
 
 def _nvme_batch(
@@ -565,12 +572,7 @@ def _nvme_batch(
             obj.ref_count_down()
         for v in slots:
             v.release()
-        if disk is not None:
-            disk.close()
-        for t in ours.values():
-            loop.run_until_complete(t.close())
-        for d in base.iterdir():
-            shutil.rmtree(d, ignore_errors=True)
+        _close_nvme(disk, ours, loop, base)
 
 
 def bench_nvme(s: Stream, lmc: LMCache, base: Path, batches: int) -> dict[str, Any]:

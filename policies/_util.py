@@ -112,21 +112,26 @@ class PrefixTree:
         return freed
 
 
-class SmallMainGhost:
-    """The queue shape that S3-FIFO and S3Prefix share: a small probation queue S, a main
-    queue M and a ghost queue G of evicted keys, sized from ``capacity``."""
+class Sized:
+    """A policy whose bookkeeping scales with the tier's capacity in entries."""
 
     capacity_hint: int | None
-    small_ratio: float
-    _peak: int
-    _small: Mapping[str, object]
-    _main: Mapping[str, object]
-    _ghost: Mapping[str, object]
+    _peak: int  # the largest resident count seen
 
     @property
     def capacity(self) -> int:
         """Entries: ``capacity_hint`` if given, else the largest resident count seen."""
         return self.capacity_hint if self.capacity_hint is not None else max(1, self._peak)
+
+
+class SmallMainGhost(Sized):
+    """The queue shape that S3-FIFO and S3Prefix share: a small probation queue S, a main
+    queue M and a ghost queue G of evicted keys, sized from ``capacity``."""
+
+    small_ratio: float
+    _small: Mapping[str, object]
+    _main: Mapping[str, object]
+    _ghost: Mapping[str, object]
 
     @property
     def small_target(self) -> int:

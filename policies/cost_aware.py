@@ -28,7 +28,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-from policies._util import DEFAULT_DETACHED, Detached, PrefixTree, compact_due, parent_of
+from policies._util import DEFAULT_DETACHED, Detached, PrefixTree, Sized, compact_due, parent_of
 from policies.base import EntryInfo, EvictionPolicy
 
 
@@ -37,7 +37,7 @@ def attention_cost(position: int) -> float:
     return 2.0 * max(0, position) + 1.0
 
 
-class CostAware(EvictionPolicy):
+class CostAware(Sized, EvictionPolicy):
     name = "cost"
 
     def __init__(
@@ -68,10 +68,6 @@ class CostAware(EvictionPolicy):
     @property
     def inflation(self) -> float:
         return self._inflation
-
-    @property
-    def capacity(self) -> int:
-        return self.capacity_hint if self.capacity_hint is not None else max(1, self._peak)
 
     def priority(self, key: str) -> float | None:
         stamp = self._stamp.get(key)

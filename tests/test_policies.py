@@ -355,9 +355,9 @@ def test_arc_ghost_hit_adapts_target() -> None:
     assert "a" in p._t2 and p.ghost_sizes() == (1, 0)
 
 
-def test_s3fifo_one_hit_wonders_leave_through_small_queue() -> None:
-    cap = 10
-    p = S3FIFO(capacity_hint=cap)
+def _one_hit_wonders(p: S3FIFO | S3Prefix, cap: int) -> Tier:
+    """5 hot keys read once each, then 50 one-hit wonders: the hot keys reach the main
+    queue and stay; only wonders leave, through the small queue into the ghost."""
     tier = Tier(p, cap)
     hot = [f"h{i}" for i in range(5)]
     for k in hot:
@@ -369,6 +369,11 @@ def test_s3fifo_one_hit_wonders_leave_through_small_queue() -> None:
     assert all(p.queue_of(k) == "main" for k in hot)
     assert all(v.startswith("w") for v in tier.evicted)
     assert p.queue_of(tier.evicted[-1]) == "ghost"
+    return tier
+
+
+def test_s3fifo_one_hit_wonders_leave_through_small_queue() -> None:
+    _one_hit_wonders(S3FIFO(capacity_hint=10), 10)
 
 
 def test_s3fifo_ghost_hit_goes_to_main() -> None:
@@ -507,19 +512,8 @@ def test_cost_frequency_survives_eviction() -> None:
 
 
 def test_s3prefix_one_hit_wonders_leave_through_small_queue() -> None:
-    cap = 10
-    p = S3Prefix(capacity_hint=cap)
-    tier = Tier(p, cap)
-    hot = [f"h{i}" for i in range(5)]
-    for k in hot:
-        tier.put(k)
-        tier.access(k)
-    for i in range(50):
-        tier.put(f"w{i}")
-    assert set(hot) <= set(tier.resident)
-    assert all(p.queue_of(k) == "main" for k in hot)
-    assert all(v.startswith("w") for v in tier.evicted)
-    assert p.queue_of(tier.evicted[-1]) == "ghost"
+    p = S3Prefix(capacity_hint=10)
+    _one_hit_wonders(p, 10)
     assert p.ghost_size() == p.ghost_limit == 40  # 45 evicted, 4 x capacity remembered
 
 
