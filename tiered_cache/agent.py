@@ -524,6 +524,7 @@ class NodeAgent:
             return {
                 "node_id": self.cfg.node_id,
                 "shm_name": getattr(dram, "shm_name", None),
+                "index_shm": dram.shared_index.name if isinstance(dram, DRAMTier) else None,
                 "slot_bytes": getattr(dram, "slot_bytes", 0),
                 "num_slots": getattr(dram, "num_slots", 0),
                 "tiers": [s.name for s in store.slots],
@@ -553,6 +554,10 @@ class NodeAgent:
                     conn.leases[got[0]] += 1
                     out.append({"slot": got[0], "len": got[1], "src": src})
             return {"items": out}
+        if op == "touch":  # one-way: chunks a client read through the shared index
+            if isinstance(store.slots[0].tier, DRAMTier):
+                store.note_dram_hits(msg["hits"])
+            return {}
         if op == "release":
             for slot in msg["slots"]:
                 if conn.leases[slot] > 0:

@@ -10,11 +10,13 @@ and the model fingerprint; anything else is a miss.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,11 +29,14 @@ from tiered_cache.api import PayloadLike
 from tiered_cache.codec import ChunkMeta
 from tiered_cache.config import CacheConfig, load_config
 from tiered_cache.ipc import ConnectionLost, IPCError, call_sync, send_only
+from tiered_cache.tiers.shm_index import SlotIndexReader
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _KEPT_MAPPINGS: list[Any] = []
 _STASH_MAX = 8  # slots a client may hold reserved between puts
+_TOUCH_BATCH = 64  # direct DRAM hits reported to the agent per message, at most
+_TOUCH_AGE_S = 0.25  # ... or once the oldest unreported one is this old (at the next load)
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
 # Called with (index in request, meta, payload view) while the slot is leased: copy out now.
@@ -79,6 +84,9 @@ class AgentClient:
         self._shm: Any = None
         self._stale: list[Any] = []
         self._buf: memoryview | None = None
+        self._index: SlotIndexReader | None = None
+        self._touches: list[list[Any]] = []  # direct DRAM hits not yet reported
+        self._touch_t0 = time.monotonic()
         self._models: list[dict[str, Any]] = []  # registrations to repeat after a reconnect
         self._connect()
 
@@ -114,11 +122,21 @@ class AgentClient:
         if self._buf is not None:
             prefault(self._buf, write=False)
             maybe_pin_host_memory(self._buf)
+        if self._index is not None:
+            self._index.close()
+        self._index = None
+        if self._buf is not None and hello.get("index_shm"):
+            try:
+                self._index = SlotIndexReader(attach_shm(hello["index_shm"]))
+            except (OSError, ValueError) as e:  # every load then asks the agent
+                log.warning("shared DRAM index unavailable (%s): loads go through the agent", e)
         for m in self._models:  # a restarted agent forgot what this client registered
             call_sync(sock, {"op": "register_model", "model": m})
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
+            if self._touches:  # ahead of the request, so the agent's answer reflects them
+                self._flush_touches()
             return call_sync(self._sock, msg)
 
     def _retry(self, fn: Callable[[], T]) -> T:
@@ -180,12 +198,17 @@ class AgentClient:
         return self._retry(lambda: self._load_many(keys, fingerprint, sink))
 
     def _load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> LoadReport:
-        items = self._call({"op": "get", "keys": list(keys), "fp": fingerprint})["items"]
         rep = LoadReport([False] * len(keys), [""] * len(keys))
-        ok = rep.ok
+        # DRAM hits straight from the pool through the shared index: no round trip. The
+        # agent serves the rest (lower tiers, peers, and any read that raced a writer).
+        todo = self._load_direct(keys, fingerprint, sink, rep) if self._index else range(len(keys))
+        if not todo:
+            return rep
+        want = [keys[i] for i in todo]
+        items = self._call({"op": "get", "keys": want, "fp": fingerprint})["items"]
         leased: list[int] = []
         try:
-            for i, (key, item) in enumerate(zip(keys, items, strict=True)):
+            for i, key, item in zip(todo, want, items, strict=True):
                 if item is None:
                     continue
                 rep.sources[i] = str(item.get("src") or "")
@@ -194,30 +217,91 @@ class AgentClient:
                     raw: PayloadLike = self._slot(item["slot"], item["len"])
                 else:
                     raw = item["data"]
-                try:
-                    meta, payload = codec.decode(
-                        raw, expect_key=key, expect_fingerprint=fingerprint, verify_payload=False
-                    )
-                    want = codec.parse_header(raw)[2]
-                except codec.ChunkError as e:
-                    log.warning("chunk %s failed verification: %s", key, e)
-                    mismatch = isinstance(e, codec.ChunkMismatch)
-                    rep.failures[i] = "mismatch" if mismatch else "verification"
-                    continue
-                # Hash on a second core while the sink copies: a mismatch reports the chunk
-                # as failed, and the connector then has vLLM recompute what the sink wrote.
-                fut = _HASH_POOL.submit(codec.checksum, payload) if self.verify_payload else None
-                sink(i, meta, payload)
-                if fut is not None and fut.result() != want:
-                    log.warning("chunk %s failed verification: payload checksum mismatch", key)
-                    rep.failures[i] = "verification"
-                    continue
-                ok[i] = True
+                self._deliver(i, key, raw, fingerprint, sink, rep)
         finally:
             if leased:  # one-way: a get costs one round trip
                 with self._lock:
                     send_only(self._sock, {"op": "release", "slots": leased})
         return rep
+
+    def _load_direct(
+        self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink, rep: LoadReport
+    ) -> list[int]:
+        """Serve what the shared index finds; return the positions left for the agent."""
+        ix = self._index
+        assert ix is not None
+        rest: list[int] = []
+        hits: list[list[Any]] = []
+        for i, key in enumerate(keys):
+            found = ix.find(key)
+            if found is None or found[2] > self.slot_bytes:
+                rest.append(i)
+                continue
+            slot, gen, length = found
+            status, tokens = self._deliver(
+                i, key, self._slot(slot, length), fingerprint, sink, rep,
+                still_valid=functools.partial(ix.unchanged, slot, gen),
+            )
+            if status == "raced":  # the slot changed under the copy: ask the agent
+                rest.append(i)
+            elif status == "ok":
+                rep.sources[i] = "dram"
+                hits.append([key, length, tokens])
+        if hits:
+            # Recency for eviction and the hit metrics go to the agent one-way and in
+            # batches: a message per load would wake the agent (a core) on every hit.
+            with self._lock:
+                self._touches.extend(hits)
+                now = time.monotonic()
+                if len(self._touches) >= _TOUCH_BATCH or now - self._touch_t0 > _TOUCH_AGE_S:
+                    self._flush_touches()
+        return rest
+
+    def _flush_touches(self) -> None:
+        """Send the pending touches (call with ``_lock`` held). A lost connection loses
+        them: they are hints."""
+        self._touch_t0 = time.monotonic()
+        if self._touches:
+            hits, self._touches = self._touches, []
+            with contextlib.suppress(ConnectionLost, OSError):
+                send_only(self._sock, {"op": "touch", "hits": hits})
+
+    def _deliver(
+        self,
+        i: int,
+        key: str,
+        raw: PayloadLike,
+        fingerprint: bytes | None,
+        sink: Sink,
+        rep: LoadReport,
+        still_valid: Callable[[], bool] | None = None,
+    ) -> tuple[str, int]:
+        """Verify one chunk and hand it to ``sink``: ("ok" | "failed" | "raced", tokens).
+        "raced" means ``still_valid`` turned false: the bytes may be torn, not damaged."""
+        try:
+            meta, payload = codec.decode(
+                raw, expect_key=key, expect_fingerprint=fingerprint, verify_payload=False
+            )
+            want = codec.parse_header(raw)[2]
+        except codec.ChunkError as e:
+            if still_valid is not None and not still_valid():
+                return "raced", 0
+            log.warning("chunk %s failed verification: %s", key, e)
+            rep.failures[i] = "mismatch" if isinstance(e, codec.ChunkMismatch) else "verification"
+            return "failed", 0
+        # Hash on a second core while the sink copies: a mismatch reports the chunk as
+        # failed, and the connector then has vLLM recompute what the sink wrote.
+        fut = _HASH_POOL.submit(codec.checksum, payload) if self.verify_payload else None
+        sink(i, meta, payload)
+        bad = fut is not None and fut.result() != want
+        if still_valid is not None and not still_valid():
+            return "raced", 0
+        if bad:
+            log.warning("chunk %s failed verification: payload checksum mismatch", key)
+            rep.failures[i] = "verification"
+            return "failed", 0
+        rep.ok[i] = True
+        return "ok", meta.num_tokens
 
     def get_many(
         self, keys: Sequence[str], fingerprint: bytes
@@ -345,8 +429,13 @@ class AgentClient:
 
     def close(self) -> None:
         try:
+            with self._lock:
+                self._flush_touches()
             self._sock.close()
         finally:
+            if self._index is not None:
+                self._index.close()
+                self._index = None
             try:
                 if self._buf is not None:
                     self._buf.release()

@@ -630,12 +630,11 @@ class TieredStore:
         assert isinstance(tier, DRAMTier)
         got = tier.acquire(key)
         if got is not None:
-            top.eviction.on_access(key)
-            self.metrics.hits.labels("dram").inc()
-            self.metrics.bytes_read.labels("dram").inc(got[1])
+            tokens = 0
             with contextlib.suppress(codec.ChunkError):
                 head = tier.slot_view(got[0])[: codec.HEADER_SIZE]
-                self.metrics.hit_tokens.labels("dram").inc(codec.parse_header(head)[0].num_tokens)
+                tokens = codec.parse_header(head)[0].num_tokens
+            self._count_dram_hit(top, key, got[1], tokens)
             if served is not None:
                 served.append("dram")
             return got
@@ -655,6 +654,22 @@ class TieredStore:
         await self._write_tier(top, key, hit.encoded())
         got = tier.acquire(key)
         return got if got is not None else hit
+
+    def _count_dram_hit(self, top: TierSlot, key: str, nbytes: int, tokens: int) -> None:
+        top.eviction.on_access(key)
+        self.metrics.hits.labels("dram").inc()
+        self.metrics.bytes_read.labels("dram").inc(nbytes)
+        self.metrics.hit_tokens.labels("dram").inc(tokens)
+
+    def note_dram_hits(self, hits: Sequence[tuple[str, int, int]]) -> None:
+        """Account for ``(key, bytes, tokens)`` a client read straight from the pool through
+        the shared index (no lease): recency for eviction, and the hit metrics."""
+        top = self._dram()
+        tier = top.tier
+        assert isinstance(tier, DRAMTier)
+        for key, nbytes, tokens in hits:
+            if tier.size_of(key) is not None:  # evicted since: nothing to refresh
+                self._count_dram_hit(top, key, int(nbytes), int(tokens))
 
     async def _lease_from_nvme(
         self, top: TierSlot, dram: DRAMTier, key: str, expect_fp: bytes | None

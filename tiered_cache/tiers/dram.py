@@ -6,8 +6,11 @@ prefill and a decode process on one node hand off without a disk round trip.
 
 Safety rules (no torn reads, no double frees):
 - a writer fills a *reserved* slot, and only ``commit`` makes it visible under a key;
-- readers take a lease (``acquire``) and ``release`` it after copying; a slot deleted or
-  replaced while leased becomes a zombie and returns to the free list on its last release;
+- readers in the agent take a lease (``acquire``) and ``release`` it after copying; a slot
+  deleted or replaced while leased becomes a zombie and returns to the free list on its
+  last release;
+- clients read without a lease, through the shared index (``shm_index``): they find the
+  slot, copy, and keep the copy only if the slot's generation did not move meanwhile;
 - every slot begins with a self-describing chunk header, so after an agent crash the pool
   can be re-attached and its index rebuilt by scanning slots (``recover=True``).
 """
@@ -22,6 +25,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 from tiered_cache import codec
 from tiered_cache.tiers.base import Tier, TierFull, TierUsage
+from tiered_cache.tiers.shm_index import SlotIndex
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +114,8 @@ class DRAMTier(Tier):
         self._index: dict[str, int] = {}
         self._free: list[int] = list(range(n - 1, -1, -1))
         self._used_bytes = 0
+        # Published copy of the index, read by clients without asking the agent.
+        self.shared_index = SlotIndex(self._shm.name, n)
         if recover and not created:
             self._rebuild()
 
@@ -158,6 +164,7 @@ class DRAMTier(Tier):
             s.key, s.length = meta.key, codec.HEADER_SIZE + plen
             self._index[meta.key] = i
             self._used_bytes += s.length
+            self.shared_index.publish(meta.key, i, s.length)
         log.info("recovered %d chunks from DRAM pool %s", len(self._index), self.shm_name)
 
     # -- shared-memory slot protocol (used in-process and by the agent for clients) --
@@ -188,6 +195,7 @@ class DRAMTier(Tier):
         s.key, s.length, s.zombie = key, length, False
         self._index[key] = slot
         self._used_bytes += length
+        self.shared_index.publish(key, slot, length)
         if old is not None:
             self._drop(old)
 
@@ -213,6 +221,7 @@ class DRAMTier(Tier):
             self._release_slot(slot)
 
     def _drop(self, slot: int) -> None:
+        self.shared_index.unpublish(slot)  # first: a lock-free reader must see it go
         s = self._slots[slot]
         self._used_bytes -= s.length
         if s.leases:
@@ -293,6 +302,7 @@ class DRAMTier(Tier):
         return len(self._free)
 
     async def close(self, unlink: bool = True) -> None:
+        self.shared_index.close(unlink)
         with contextlib.suppress(BufferError):  # views still held elsewhere: let GC unmap
             self._buf.release()
             self._shm.close()

@@ -1,0 +1,183 @@
+"""The shared-memory DRAM index: clients find slots with no agent round trip, and a read
+that races a writer is retried through the agent, never delivered torn."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import numpy as np
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_agent import FP, agent, meta, payload  # noqa: F401 (agent is a fixture)
+
+from tiered_cache import codec
+from tiered_cache.client import AgentClient
+from tiered_cache.keys import chunk_keys
+from tiered_cache.tiers.dram import DRAMTier, attach_shm
+from tiered_cache.tiers.shm_index import SlotIndex, SlotIndexReader, index_name
+
+
+def _key(home: int, tag: int) -> str:
+    # The first 16 hex digits pick the bucket: few distinct homes force long probe runs,
+    # wrap-around and backward-shift deletions through them.
+    return f"{home:016x}{tag:016x}"
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "del"]), st.integers(0, 5), st.integers(0, 11), st.integers(1, 99)
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops)
+def test_reader_agrees_with_the_owner(ops: list[tuple[str, int, int, int]]) -> None:
+    slots = 8  # 16 buckets
+    name = f"tc_ix_{uuid.uuid4().hex[:10]}"
+    ix = SlotIndex(name, slots)
+    reader = SlotIndexReader(attach_shm(index_name(name)))
+    model: dict[str, tuple[int, int]] = {}  # key -> (slot, length)
+    free = list(range(slots))
+    try:
+        for op, home, tag, length in ops:
+            # Homes near the table's end wrap around to bucket 0.
+            k = _key(home if home < 3 else (1 << 64) - 1 - home, tag)
+            if op == "put" and (free or k in model):
+                slot = free.pop() if free else model[k][0]
+                old = model.get(k)
+                if old is not None and old[0] != slot:
+                    ix.unpublish(old[0])  # as DRAMTier: new copy published, old one dropped
+                    free.append(old[0])
+                ix.publish(k, slot, length)
+                model[k] = (slot, length)
+            elif op == "del" and k in model:
+                slot, _ = model.pop(k)
+                ix.unpublish(slot)
+                free.append(slot)
+            for key in {
+                _key(h if h < 3 else (1 << 64) - 1 - h, t) for h in range(6) for t in range(12)
+            }:
+                got = reader.find(key)
+                if key in model:
+                    assert got is not None and (got[0], got[2]) == model[key], key
+                else:
+                    assert got is None, key
+    finally:
+        reader.close()
+        ix.close()
+
+
+def test_a_dropped_and_reused_slot_never_reads_unchanged() -> None:
+    name = f"tc_ix_{uuid.uuid4().hex[:10]}"
+    ix = SlotIndex(name, 4)
+    reader = SlotIndexReader(attach_shm(index_name(name)))
+    try:
+        k = _key(7, 1)
+        ix.publish(k, 2, 100)
+        found = reader.find(k)
+        assert found is not None
+        slot, gen, _ = found
+        assert reader.unchanged(slot, gen)
+        ix.unpublish(2)
+        ix.publish(k, 2, 100)  # same key, same slot, same length: still a new generation
+        assert not reader.unchanged(slot, gen)
+        assert reader.find(k) is not None
+    finally:
+        reader.close()
+        ix.close()
+
+
+def test_a_new_owner_retires_the_old_index() -> None:
+    name = f"tc_ix_{uuid.uuid4().hex[:10]}"
+    first = SlotIndex(name, 4)
+    reader = SlotIndexReader(attach_shm(index_name(name)))
+    k = _key(3, 3)
+    first.publish(k, 1, 10)
+    assert reader.find(k) is not None
+    # The agent died without closing (kill -9); a restarted one replaces the index. A
+    # client still attached to the old one must stop trusting it.
+    second = SlotIndex(name, 4)
+    try:
+        assert reader.find(k) is None
+    finally:
+        reader.close()
+        first.close(unlink=False)
+        second.close()
+
+
+async def test_dram_tier_keeps_the_index_in_step() -> None:
+    t = DRAMTier(4 * 8192, 8192, shm_name=f"tc_ix_{uuid.uuid4().hex[:8]}")
+    reader = SlotIndexReader(attach_shm(t.shared_index.name))
+    try:
+        keys = [_key(i, i) for i in range(5)]
+        for k in keys[:4]:
+            await t.put(k, b"x" * 100)
+        assert all(reader.find(k) is not None for k in keys[:4])
+        assert reader.find(keys[4]) is None
+        assert await t.delete(keys[1])
+        assert reader.find(keys[1]) is None
+        # A leased chunk that is replaced leaves the index at once (its slot is a zombie).
+        got = t.acquire(keys[0])
+        assert got is not None
+        await t.put(keys[0], b"y" * 200)
+        found = reader.find(keys[0])
+        assert found is not None and found[0] != got[0] and found[2] == 200
+        t.release(got[0])
+    finally:
+        reader.close()
+        await t.close()
+
+
+def test_client_reads_dram_hits_without_the_agent(
+    agent: tuple[Path, subprocess.Popen[str]],  # noqa: F811
+) -> None:
+    cfg, proc = agent
+    sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
+    c = AgentClient(sock)
+    keys = chunk_keys(np.arange(32 * 4), FP)
+    c.put_many([(meta(k), payload(i)) for i, k in enumerate(keys)])
+    hit = "tiered_cache_hits_total{tier=dram}"
+    before = c.admin("stats")["metrics"].get(hit, 0.0)
+    out: dict[int, bytes] = {}
+    proc.send_signal(signal.SIGSTOP)  # the agent cannot answer anything now
+    try:
+        got = c.load_report(keys, FP.digest, lambda i, _, v: out.__setitem__(i, bytes(v)))
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert got.ok == [True] * 4 and got.sources == ["dram"] * 4
+    assert [out[i] for i in range(4)] == [payload(i) for i in range(4)]
+    # The one-way touch, read once the agent runs again, still counted the hits.
+    assert c.admin("stats")["metrics"][hit] - before == 4
+    c.close()
+
+
+def test_a_read_that_races_a_writer_is_retried_through_the_agent(
+    agent: tuple[Path, subprocess.Popen[str]],  # noqa: F811
+) -> None:
+    cfg, _ = agent
+    sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
+    reader, writer = AgentClient(sock), AgentClient(sock)
+    k = chunk_keys(np.arange(32), FP)[0]
+    old, new = payload(1), payload(2)
+    writer.put_many([(meta(k), old)])
+    seen: list[bytes] = []
+
+    def sink(_: int, __: codec.ChunkMeta, view: memoryview) -> None:
+        seen.append(bytes(view))
+        if len(seen) == 1:  # mid-copy, the chunk is evicted and stored anew
+            writer.admin("evict", key=k, tiers=["dram"])
+            writer.put_many([(meta(k), new)])
+
+    got = reader.load_report([k], FP.digest, sink)
+    # The first copy came from a slot that changed under it: it is not the answer. The
+    # agent then served the chunk's current bytes.
+    assert got.ok == [True] and not got.failures
+    assert seen == [old, new]
+    reader.close()
+    writer.close()
