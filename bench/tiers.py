@@ -1,13 +1,16 @@
 """Tier throughput and latency, each as a ratio against a reference measured in the same run.
 
-- DRAM: our client path (reserve slot, copy + checksum, commit / lease, copy out + verify,
-  release) against a raw ``memcpy`` (numpy copyto) of the same bytes; one chunk per call,
-  and 8 chunks per call as the connector moves one request's chunks (``*_batch``).
-- NVMe: ``NVMeTier`` (temp file + fsync + rename, O_DIRECT) against raw O_DIRECT sequential
+- DRAM: our client path (put: a stashed slot, copy + checksum, commit; get: the slot from
+  the shared index, copy out + verify) against a raw ``memcpy`` (numpy copyto) of the same
+  bytes into private memory, and, for context, into shared memory like the pool's; one
+  chunk per call, and 8 chunks per call as the connector moves one request's chunks
+  (``*_batch``).
+- NVMe: ``NVMeTier`` (temp file, rename, fsync; O_DIRECT) against raw O_DIRECT sequential
   write (+fsync) and read of the same bytes.
 - S3: ``S3Tier`` against raw boto3 ``put_object``/``get_object`` on the same moto server.
 
-Ratios are reference time / our time (1.0 = as fast as the reference; >1 faster).
+Ratios are reference time / our time (1.0 = as fast as the reference; >1 faster). Each
+reference runs interleaved with ours, call by call, so machine noise hits both alike.
 ``--quick --json`` finishes in well under a minute; its last line is one JSON object.
 """
 
@@ -22,7 +25,6 @@ import platform
 import shutil
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +33,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import FP, MiB, moto_server
+from _common import FP, MiB, agent_process, moto_server
 from _common import bench_keys as _keys
 from _common import chunk_meta as _meta
 from _common import stats as _stats
-from _common import time_calls as _time
+from _common import time_interleaved as _interleaved
 
 from tiered_cache import codec
 
@@ -45,108 +47,112 @@ BATCH = 8  # chunks per call in the batched DRAM figures: one 2k-token prompt at
 
 
 def bench_dram(size: int, iters: int, tmp: Path) -> dict[str, Any]:
+    from multiprocessing import shared_memory
+
     from tiered_cache.client import AgentClient
-    from tiered_cache.config import load_config
 
     payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    mv = memoryview(payload)
     dst = np.empty_like(payload)
-    # The reference copies into (and out of) as many distinct buffers as we use slots,
-    # so neither side runs cache-hot on a buffer that fits in L3.
-    bufs = [np.ones_like(payload) for _ in range(iters + 2)]
-    ref_put = _stats(_time(lambda i: np.copyto(bufs[i], payload), iters), size)
-    ref_get = _stats(_time(lambda i: np.copyto(dst, bufs[i]), iters), size)
-    # Batches of BATCH chunks per call, as the connector stores and loads one request's
-    # chunks: the agent round trip is paid once per batch.
-    # The reference gets distinct buffers per batch too, as our puts get fresh slots.
     batches = max(3, iters // 4)
-    ring = [np.ones_like(payload) for _ in range(BATCH * (batches + 1))]
-
-    def ref_batch_put(i: int) -> None:
-        for b in ring[BATCH * (i % (batches + 1)) :][:BATCH]:
-            np.copyto(b, payload)
-
-    def ref_batch_get(i: int) -> None:
-        for b in ring[BATCH * (i % (batches + 1)) :][:BATCH]:
-            np.copyto(dst, b)
-
-    ref_bput = _stats(_time(ref_batch_put, batches), size * BATCH)
-    ref_bget = _stats(_time(ref_batch_get, batches), size * BATCH)
-    ring.clear()  # free the reference buffers before the agent allocates its pool
+    groups = batches + 2  # + the warm-up calls, which must not pre-store timed batches
+    n_single, n_batch = iters + 2, BATCH * groups
+    # The reference copies into (and out of) as many distinct buffers as we use slots,
+    # so neither side runs cache-hot on a buffer that fits in L3. A second reference
+    # does the same in shared memory, the kind the pool is made of (4 KiB pages where a
+    # private buffer may get transparent huge pages): the gap between the two is what
+    # sharing the memory costs, before any of our code runs.
+    ref = [np.ones_like(payload) for _ in range(n_single)]
+    ref_b = [np.ones_like(payload) for _ in range(n_batch)]
+    shm = shared_memory.SharedMemory(create=True, size=size * n_single)
+    assert shm.buf is not None
+    shm_arr = np.frombuffer(shm.buf, dtype=np.uint8)
+    shm_arr.fill(1)
+    ref_shm = [shm_arr[i * size : (i + 1) * size] for i in range(n_single)]
 
     slot = size + codec.HEADER_SIZE
-    n_slots = (iters + 2) + BATCH * (batches + 1)
-    cfg = load_config(
-        {
-            "node_id": f"bench-{uuid.uuid4().hex[:6]}",
-            # + the slots the agent hands the client ahead of its next put (up to 8)
-            "dram": {"capacity": slot * (n_slots + 16) + 8 * MiB, "slot_bytes": slot},
-            "agent": {"socket": str(tmp / f"a{size}.sock")},
-        }
-    )
-    import subprocess
+    keys = _keys(n_single, f"dram{size}")
+    bkeys = _keys(n_batch, f"dramb{size}")
 
-    import yaml
+    def batch_of(seq: list[Any], i: int) -> list[Any]:
+        return seq[BATCH * (i % groups) :][:BATCH]
 
-    from tiered_cache.agent import spawn_agent
+    def sink(_: int, __: codec.ChunkMeta, view: memoryview) -> None:
+        np.copyto(dst, np.frombuffer(view, dtype=np.uint8))  # releases the GIL
 
-    # The agent runs as its own process, as in production (in-process it would share the
-    # GIL with the client's copies).
-    cfg_path = tmp / f"agent{size}.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    agent = spawn_agent(cfg_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = AgentClient(cfg.socket_path)
-    keys = _keys(iters + 2, f"dram{size}")
-    bkeys = _keys(BATCH * (batches + 1), f"dramb{size}")
-    mv = memoryview(payload)
-    try:
-        put = _time(lambda i: client.put_many([(_meta(keys[i], size), mv)]), iters)
+    # The agent runs as its own process, as in production; + the slots it may hand the
+    # client ahead of its next put.
+    with agent_process(tmp, slot * (n_single + n_batch + 16) + 8 * MiB, slot) as sock:
+        client = AgentClient(sock)
+        try:
 
-        def sink(_: int, __: codec.ChunkMeta, view: memoryview) -> None:
-            np.copyto(dst, np.frombuffer(view, dtype=np.uint8))  # releases the GIL
+            def get(i: int) -> None:
+                assert client.load_many([keys[i]], FP.digest, sink) == [True]
 
-        def get(i: int) -> None:
-            ok = client.load_many([keys[i]], FP.digest, sink)
-            assert ok == [True]
+            def get_batch(i: int) -> None:
+                got = client.load_report(batch_of(bkeys, i), FP.digest, sink)
+                assert got.ok == [True] * BATCH, (i, got)
 
-        def batch_keys(i: int) -> list[str]:
-            return bkeys[BATCH * (i % (batches + 1)) :][:BATCH]
+            def ref_put_batch(i: int) -> None:
+                for b in batch_of(ref_b, i):
+                    np.copyto(b, payload)
 
-        def put_batch(i: int) -> None:
-            client.put_many([(_meta(k, size), mv) for k in batch_keys(i)])
+            def ref_get_batch(i: int) -> None:
+                for b in batch_of(ref_b, i):
+                    np.copyto(dst, b)
 
-        def get_batch(i: int) -> None:
-            got = client.load_report(batch_keys(i), FP.digest, sink)
-            assert got.ok == [True] * BATCH, (i, got)
-
-        got = _time(get, iters)
-        bput = _time(put_batch, batches)
-        bgot = _time(get_batch, batches)
-        client.verify_payload = False  # header still checked; payload trusted in DRAM
-        got_nv = _time(get, iters)
-        client.verify_payload = True
-        assert bytes(dst[:64]) == bytes(payload[:64])
-    finally:
-        client.close()
-        agent.terminate()
-        agent.wait(30)
-    p, g, gnv = _stats(put, size), _stats(got, size), _stats(got_nv, size)
-    bp, bg = _stats(bput, size * BATCH), _stats(bgot, size * BATCH)
-    return {
-        "ref_memcpy_put": ref_put,
-        "ref_memcpy_get": ref_get,
-        "put": p,
-        "get": g,
-        "put_ratio": p["gbps"] / ref_put["gbps"],
-        "get_ratio": g["gbps"] / ref_get["gbps"],
-        "get_unverified": gnv,
-        "get_unverified_ratio": gnv["gbps"] / ref_get["gbps"],
-        "ref_memcpy_put_batch": ref_bput,
-        "ref_memcpy_get_batch": ref_bget,
-        "put_batch": bp,
-        "get_batch": bg,
-        "put_batch_ratio": bp["gbps"] / ref_bput["gbps"],
-        "get_batch_ratio": bg["gbps"] / ref_bget["gbps"],
-    }
+            put = _interleaved(
+                {
+                    "ref": lambda i: np.copyto(ref[i], payload),
+                    "ref_shm": lambda i: np.copyto(ref_shm[i], payload),
+                    "ours": lambda i: client.put_many([(_meta(keys[i], size), mv)]),
+                },
+                iters,
+            )
+            got = _interleaved(
+                {
+                    "ref": lambda i: np.copyto(dst, ref[i]),
+                    "ref_shm": lambda i: np.copyto(dst, ref_shm[i]),
+                    "ours": get,
+                },
+                iters,
+            )
+            bput = _interleaved(
+                {
+                    "ref": ref_put_batch,
+                    "ours": lambda i: client.put_many(
+                        [(_meta(k, size), mv) for k in batch_of(bkeys, i)]
+                    ),
+                },
+                batches,
+            )
+            bget = _interleaved({"ref": ref_get_batch, "ours": get_batch}, batches)
+            client.verify_payload = False  # header still checked; payload trusted in DRAM
+            got_nv = _interleaved({"ref": lambda i: np.copyto(dst, ref[i]), "ours": get}, iters)
+            client.verify_payload = True
+            assert bytes(dst[:64]) == bytes(payload[:64])
+        finally:
+            client.close()
+    ref_shm.clear()  # the views must go before the mapping can close
+    del shm_arr
+    shm.close()
+    shm.unlink()
+    out: dict[str, Any] = {}
+    for name, runs, n in (
+        ("put", put, size),
+        ("get", got, size),
+        ("get_unverified", got_nv, size),
+        ("put_batch", bput, size * BATCH),
+        ("get_batch", bget, size * BATCH),
+    ):
+        st = {k: _stats(v, n) for k, v in runs.items()}
+        out[name] = st["ours"]
+        out[f"ref_memcpy_{name}"] = st["ref"]
+        out[f"{name}_ratio"] = st["ours"]["gbps"] / st["ref"]["gbps"]
+        if "ref_shm" in st:
+            out[f"ref_memcpy_shm_{name}"] = st["ref_shm"]
+            out[f"{name}_vs_shm_memcpy"] = st["ours"]["gbps"] / st["ref_shm"]["gbps"]
+    return out
 
 
 # ---------------------------------------------------------------- NVMe
@@ -180,32 +186,51 @@ def bench_nvme(size: int, iters: int, root: Path) -> dict[str, Any]:
     padded = -(-total // 4096) * 4096
     buf = mmap.mmap(-1, padded)
     rnd = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
-    blob = codec.encode(_meta("0" * 32, size), rnd)
+    blob = codec.encode(_meta("0" * 32, size), memoryview(rnd))
     buf[: len(blob)] = blob
     raw_dir = root / "raw"
     raw_dir.mkdir()
-    w_ref = _time(lambda i: _odirect_write(str(raw_dir / f"{i}.bin"), buf, total), iters)
-    r_ref = _time(lambda i: _odirect_read(str(raw_dir / f"{max(i, 0)}.bin"), buf), iters)
-    shutil.rmtree(raw_dir)
+
+    def raw(i: int) -> str:
+        return str(raw_dir / f"{max(i, -2) + 2}.bin")  # warm-up calls get files too
 
     tier = NVMeTier(root / "tier", None, o_direct=True)
     keys = _keys(iters + 2, f"nvme{size}")
-    blobs = {k: codec.encode(_meta(k, size), rnd) for k in keys}
+    blobs = {k: codec.encode(_meta(k, size), memoryview(rnd)) for k in keys}
+
+    def key(i: int) -> str:
+        return keys[max(i, -2) + 2]
+
     loop = asyncio.new_event_loop()
+    # Reads as the agent promotes a chunk: straight into a (prefaulted) DRAM slot.
+    slot = mmap.mmap(-1, padded)
+    slot.write(b"\1" * padded)
+    view = memoryview(slot)
     try:
-        w = _time(lambda i: loop.run_until_complete(tier.put(keys[i], blobs[keys[i]])), iters)
-        # Reads as the agent promotes a chunk: straight into a (prefaulted) DRAM slot.
-        slot = mmap.mmap(-1, padded)
-        slot.write(b"\1" * padded)
-        view = memoryview(slot)
-        r = _time(lambda i: loop.run_until_complete(tier.get_into(keys[max(i, 0)], view)), iters)
-        rb = _time(lambda i: loop.run_until_complete(tier.get(keys[max(i, 0)])), iters)
-        view.release()
+        w = _interleaved(
+            {
+                "ref": lambda i: _odirect_write(raw(i), buf, total),
+                "ours": lambda i: loop.run_until_complete(tier.put(key(i), blobs[key(i)])),
+            },
+            iters,
+        )
+        r = _interleaved(
+            {
+                "ref": lambda i: _odirect_read(raw(i), buf),
+                "ours": lambda i: loop.run_until_complete(tier.get_into(key(i), view)),
+                "ours_new_bytes": lambda i: loop.run_until_complete(tier.get(key(i))),
+            },
+            iters,
+        )
         odirect = tier.o_direct_active
         loop.run_until_complete(tier.close())
     finally:
+        view.release()
         loop.close()
-    wr, rr, ws, rs, rbs = (_stats(x, total) for x in (w_ref, r_ref, w, r, rb))
+        shutil.rmtree(raw_dir)
+    wr, rr, ws, rs, rbs = (
+        _stats(x, total) for x in (w["ref"], r["ref"], w["ours"], r["ours"], r["ours_new_bytes"])
+    )
     return {
         "o_direct": odirect,
         "ref_write": wr,
@@ -230,11 +255,7 @@ def bench_s3(size: int, iters: int) -> dict[str, Any]:
         raw = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
         raw.create_bucket(Bucket="bench")
         rnd = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8)
-        blob = codec.encode(_meta("0" * 32, size), rnd)
-        p_ref = _time(lambda i: raw.put_object(Bucket="bench", Key=f"raw/{i}", Body=blob), iters)
-        g_ref = _time(
-            lambda i: raw.get_object(Bucket="bench", Key=f"raw/{max(i, 0)}")["Body"].read(), iters
-        )
+        blob = codec.encode(_meta("0" * 32, size), memoryview(rnd))
         # moto is one CPU-bound process that re-reads the whole object for every range:
         # parallel parts only add work there, so the bench uses single-request transfers
         # (against real S3, keep the default 8 MiB ranged/multipart transfers).
@@ -247,15 +268,31 @@ def bench_s3(size: int, iters: int) -> dict[str, Any]:
             part_size=256 * MiB,
         )
         keys = _keys(iters + 2, f"s3{size}")
+
+        def key(i: int) -> str:
+            return keys[max(i, -2) + 2]
+
         loop = asyncio.new_event_loop()
         try:
-            p = _time(lambda i: loop.run_until_complete(tier.put(keys[i], blob)), iters)
-            g = _time(lambda i: loop.run_until_complete(tier.get(keys[max(i, 0)])), iters)
+            p = _interleaved(
+                {
+                    "ref": lambda i: raw.put_object(Bucket="bench", Key=f"raw/{i}", Body=blob),
+                    "ours": lambda i: loop.run_until_complete(tier.put(key(i), blob)),
+                },
+                iters,
+            )
+            g = _interleaved(
+                {
+                    "ref": lambda i: raw.get_object(Bucket="bench", Key=f"raw/{i}")["Body"].read(),
+                    "ours": lambda i: loop.run_until_complete(tier.get(key(i))),
+                },
+                iters,
+            )
             loop.run_until_complete(tier.close())
         finally:
             loop.close()
     total = len(blob)
-    pr, gr, ps, gs = (_stats(x, total) for x in (p_ref, g_ref, p, g))
+    pr, gr, ps, gs = (_stats(x, total) for x in (p["ref"], g["ref"], p["ours"], g["ours"]))
     return {
         "ref_put": pr,
         "ref_get": gr,
@@ -301,7 +338,11 @@ def main() -> None:
                     r = results[tier][mib]
                     print(
                         f"{tier:5} {mib:3} MiB  "
-                        + "  ".join(f"{k}={v:.2f}" for k, v in r.items() if k.endswith("_ratio"))
+                        + "  ".join(
+                            f"{k}={v:.2f}"
+                            for k, v in r.items()
+                            if k.endswith(("_ratio", "_vs_shm_memcpy"))
+                        )
                     )
     finally:
         if not a.dir:
