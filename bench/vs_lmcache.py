@@ -463,7 +463,30 @@ def _nvme_mode(
             obj.ref_count_down()
 
         puts = {name: our_put(t) for name, t in ours.items()} | {"lmcache": lmc_put}
+        gets = {"ours": our_get, "lmcache": lmc_get}
         if direct:
+            # The device's own speed, as a ceiling for both: raw O_DIRECT write (no fsync,
+            # as LMCache) of the same bytes to a new file, and read of it.
+            raw_dir = base / "raw-o_direct"
+            raw_dir.mkdir()
+            aligned = mmap.mmap(-1, -(-(size + codec.HEADER_SIZE) // 4096) * 4096)
+            aligned[: size + codec.HEADER_SIZE] = chunks[0][0]
+
+            def raw_put(i: int) -> None:
+                fd = os.open(raw_dir / f"{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+                try:
+                    os.write(fd, aligned)
+                finally:
+                    os.close(fd)
+
+            def raw_get(i: int) -> None:
+                fd = os.open(raw_dir / f"{i}", os.O_RDONLY | os.O_DIRECT)
+                try:
+                    os.readv(fd, [aligned])
+                finally:
+                    os.close(fd)
+
+            puts["raw"], gets["raw"] = raw_put, raw_get
             put = time_interleaved(puts, n, WARM)
         else:
             # Buffered, our fsync'd writes run alone first: interleaved, each fsync would
@@ -472,7 +495,7 @@ def _nvme_mode(
             put |= time_interleaved(puts, n, WARM)
         out: dict[str, Any] = {
             "put": _summ(put, size),
-            "get": _summ(time_interleaved({"ours": our_get, "lmcache": lmc_get}, n, WARM), size),
+            "get": _summ(time_interleaved(gets, n, WARM), size),
             "page_cache": "bypassed on both sides (O_DIRECT)"
             if direct
             else "reads hit it on both sides (just written)",
@@ -771,8 +794,8 @@ def _ratio(tier: dict[str, Any], op: str, ours: str, theirs: str = "lmcache") ->
         return None
 
 
-RATIOS: dict[str, tuple[str, str | None, str, str]] = {
-    # name: (tier, mode, op, our contender)
+RATIOS: dict[str, tuple[str, str | None, str, str] | tuple[str, str | None, str, str, str]] = {
+    # name: (tier, mode, op, our contender[, the reference: "lmcache" unless given])
     "dram_put_vs_lmcache_cpu": ("dram", None, "put", "ours"),
     "dram_get_vs_lmcache_cpu": ("dram", None, "get", "ours"),
     "dram_get_unverified_vs_lmcache_cpu": ("dram", None, "get", "ours_unverified"),
@@ -785,6 +808,12 @@ RATIOS: dict[str, tuple[str, str | None, str, str]] = {
     "nvme_batch_write_vs_lmcache_disk": ("nvme", "batch", "put", "ours"),
     "nvme_batch_write_no_fsync_vs_lmcache_disk": ("nvme", "batch", "put", "ours_no_fsync"),
     "nvme_batch_read_vs_lmcache_disk": ("nvme", "batch", "get", "ours"),
+    # Ceilings: how close each side gets to raw O_DIRECT I/O of the same bytes. When
+    # LMCache reaches 1/1.5 of raw, 1.5x LMCache is beyond the device.
+    "nvme_write_no_fsync_vs_raw_odirect": ("nvme", "o_direct", "put", "ours_no_fsync", "raw"),
+    "lmcache_disk_write_vs_raw_odirect": ("nvme", "o_direct", "put", "lmcache", "raw"),
+    "nvme_read_vs_raw_odirect": ("nvme", "o_direct", "get", "ours", "raw"),
+    "lmcache_disk_read_vs_raw_odirect": ("nvme", "o_direct", "get", "lmcache", "raw"),
     "s3_put_vs_lmcache_s3": ("s3", None, "put", "ours"),
     "s3_get_vs_lmcache_s3": ("s3", None, "get", "ours"),
     "s3_put_single_request_vs_lmcache_s3": ("s3", None, "put", "ours_single_request"),
@@ -798,13 +827,15 @@ def summarise(res: dict[str, Any]) -> None:
     by_size: dict[str, dict[int, float | None]] = {}
     reasons: dict[str, str] = {}
     p99: dict[str, dict[int, dict[str, float]]] = {}
-    for name, (tier, mode, op, ours) in RATIOS.items():
+    for name, spec in RATIOS.items():
+        tier, mode, op, ours = spec[:4]
+        theirs = spec[4] if len(spec) > 4 else "lmcache"  # type: ignore[misc]
         vals: dict[int, float | None] = {}
         for mib in sizes:
             t = res[tier].get(mib, {})
             if mode is not None:
                 t = t.get(mode, {})
-            vals[mib] = _ratio(t, op, ours)
+            vals[mib] = _ratio(t, op, ours, theirs)
             if vals[mib] is None:
                 reasons[name] = str(
                     t.get("skipped")
@@ -816,7 +847,7 @@ def summarise(res: dict[str, Any]) -> None:
             else:
                 p99.setdefault(name.split("_vs_")[0], {})[mib] = {
                     "ours": t[op][ours]["p99_ms"],
-                    "lmcache": t[op]["lmcache"]["p99_ms"],
+                    theirs: t[op][theirs]["p99_ms"],
                 }
         by_size[name] = vals
         got = [v for v in vals.values() if v is not None]
@@ -829,7 +860,9 @@ def summarise(res: dict[str, Any]) -> None:
 
 def print_table(res: dict[str, Any]) -> None:
     rows: list[tuple[str, ...]] = []
-    for name, (tier, mode, op, ours) in RATIOS.items():
+    for name, spec in RATIOS.items():
+        tier, mode, op, ours = spec[:4]
+        theirs = spec[4] if len(spec) > 4 else "lmcache"  # type: ignore[misc]
         for mib in res["sizes_mib"]:
             t = res[tier].get(mib, {})
             if mode is not None:
@@ -837,8 +870,9 @@ def print_table(res: dict[str, Any]) -> None:
             r = res["ratios_by_size"][name][mib]
             if r is None:
                 continue
-            o, th = t[op][ours], t[op]["lmcache"]
-            label = f"{tier}{'/' + mode if mode else ''} {op} [{ours}]"
+            o, th = t[op][ours], t[op][theirs]
+            vs = "" if theirs == "lmcache" else f" vs {theirs}"
+            label = f"{tier}{'/' + mode if mode else ''} {op} [{ours}{vs}]"
             rows.append(
                 (
                     label,
@@ -850,7 +884,15 @@ def print_table(res: dict[str, Any]) -> None:
                     f"{r:.2f}",
                 )
             )
-    head = ("tier op [ours]", "MiB", "ours GB/s", "p50/p99 ms", "LMC GB/s", "p50/p99 ms", "ratio")
+    head = (
+        "tier op [ours]",
+        "MiB",
+        "ours GB/s",
+        "p50/p99 ms",
+        "LMC|raw GB/s",
+        "p50/p99 ms",
+        "ratio",
+    )
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
         print(
