@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -152,8 +153,15 @@ def test_client_reads_dram_hits_without_the_agent(
         proc.send_signal(signal.SIGCONT)
     assert got.ok == [True] * 4 and got.sources == ["dram"] * 4
     assert [out[i] for i in range(4)] == [payload(i) for i in range(4)]
-    # The one-way touch, read once the agent runs again, still counted the hits.
-    assert c.admin("stats")["metrics"][hit] - before == 4
+    # The hits reach the agent one-way once it runs again, though this client stays idle
+    # (another client reads the counter: a call of this one would flush them itself).
+    other = AgentClient(sock, attach_pool=False)
+    deadline = time.monotonic() + 5
+    while other.admin("stats")["metrics"].get(hit, 0.0) - before < 4:
+        assert time.monotonic() < deadline, "direct hits were never reported"
+        time.sleep(0.05)
+    assert other.admin("stats")["metrics"][hit] - before == 4
+    other.close()
     c.close()
 
 

@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ T = TypeVar("T")
 _KEPT_MAPPINGS: list[Any] = []
 _STASH_MAX = 8  # slots a client may hold reserved between puts
 _TOUCH_BATCH = 64  # direct DRAM hits reported to the agent per message, at most
-_TOUCH_AGE_S = 0.25  # ... or once the oldest unreported one is this old (at the next load)
+_TOUCH_AGE_S = 0.25  # ... or this long after the first unreported one
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
 # Called with (index in request, meta, payload view) while the slot is leased: copy out now.
@@ -86,7 +85,7 @@ class AgentClient:
         self._buf: memoryview | None = None
         self._index: SlotIndexReader | None = None
         self._touches: list[list[Any]] = []  # direct DRAM hits not yet reported
-        self._touch_t0 = time.monotonic()
+        self._touch_timer: threading.Timer | None = None
         self._models: list[dict[str, Any]] = []  # registrations to repeat after a reconnect
         self._connect()
 
@@ -252,15 +251,22 @@ class AgentClient:
             # batches: a message per load would wake the agent (a core) on every hit.
             with self._lock:
                 self._touches.extend(hits)
-                now = time.monotonic()
-                if len(self._touches) >= _TOUCH_BATCH or now - self._touch_t0 > _TOUCH_AGE_S:
+                if len(self._touches) >= _TOUCH_BATCH:
                     self._flush_touches()
+                elif self._touch_timer is None:  # an idle client still reports them soon
+                    self._touch_timer = threading.Timer(_TOUCH_AGE_S, self._flush_later)
+                    self._touch_timer.daemon = True
+                    self._touch_timer.start()
         return rest
+
+    def _flush_later(self) -> None:
+        with self._lock:
+            self._touch_timer = None
+            self._flush_touches()
 
     def _flush_touches(self) -> None:
         """Send the pending touches (call with ``_lock`` held). A lost connection loses
         them: they are hints."""
-        self._touch_t0 = time.monotonic()
         if self._touches:
             hits, self._touches = self._touches, []
             with contextlib.suppress(ConnectionLost, OSError):
@@ -430,6 +436,9 @@ class AgentClient:
     def close(self) -> None:
         try:
             with self._lock:
+                if self._touch_timer is not None:
+                    self._touch_timer.cancel()
+                    self._touch_timer = None
                 self._flush_touches()
             self._sock.close()
         finally:
