@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_agent import FP, agent, meta, payload  # noqa: F401 (agent is a fixture)
+from test_agent import FP, N, agent, meta, payload  # noqa: F401 (agent is a fixture)
 
 from tiered_cache import codec
 from tiered_cache.client import AgentClient
@@ -27,6 +28,10 @@ def _key(home: int, tag: int) -> str:
     # wrap-around and backward-shift deletions through them.
     return f"{home:016x}{tag:016x}"
 
+
+# Three homes at the start of the 16-bucket table and three at its end, whose runs wrap
+# around into bucket 0.
+_HOMES = [0, 1, 2, 13, 14, 15]
 
 ops = st.lists(
     st.tuples(
@@ -47,23 +52,20 @@ def test_reader_agrees_with_the_owner(ops: list[tuple[str, int, int, int]]) -> N
     free = list(range(slots))
     try:
         for op, home, tag, length in ops:
-            # Homes near the table's end wrap around to bucket 0.
-            k = _key(home if home < 3 else (1 << 64) - 1 - home, tag)
+            k = _key(_HOMES[home], tag)
             if op == "put" and (free or k in model):
                 slot = free.pop() if free else model[k][0]
                 old = model.get(k)
-                if old is not None and old[0] != slot:
-                    ix.unpublish(old[0])  # as DRAMTier: new copy published, old one dropped
-                    free.append(old[0])
                 ix.publish(k, slot, length)
+                if old is not None and old[0] != slot:
+                    ix.unpublish(old[0])  # as DRAMTier.commit: new copy first, then the old
+                    free.append(old[0])
                 model[k] = (slot, length)
             elif op == "del" and k in model:
                 slot, _ = model.pop(k)
                 ix.unpublish(slot)
                 free.append(slot)
-            for key in {
-                _key(h if h < 3 else (1 << 64) - 1 - h, t) for h in range(6) for t in range(12)
-            }:
+            for key in {_key(h, t) for h in _HOMES for t in range(12)}:
                 got = reader.find(key)
                 if key in model:
                     assert got is not None and (got[0], got[2]) == model[key], key
@@ -103,9 +105,14 @@ def test_a_new_owner_retires_the_old_index() -> None:
     assert reader.find(k) is not None
     # The agent died without closing (kill -9); a restarted one replaces the index. A
     # client still attached to the old one must stop trusting it.
+    found = reader.find(k)
+    assert found is not None
     second = SlotIndex(name, 4)
     try:
         assert reader.find(k) is None
+        # A copy begun before the restart is refused too: the new owner may reuse the slot
+        # without ever touching the old index's generations.
+        assert not reader.unchanged(found[0], found[1])
     finally:
         reader.close()
         first.close(unlink=False)
@@ -140,7 +147,7 @@ def test_client_reads_dram_hits_without_the_agent(
 ) -> None:
     cfg, proc = agent
     sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
-    c = AgentClient(sock)
+    c = AgentClient(sock, timeout=5)  # a regression asks the stopped agent: fail fast
     keys = chunk_keys(np.arange(32 * 4), FP)
     c.put_many([(meta(k), payload(i)) for i, k in enumerate(keys)])
     hit = "tiered_cache_hits_total{tier=dram}"
@@ -189,3 +196,58 @@ def test_a_read_that_races_a_writer_is_retried_through_the_agent(
     assert seen == [old, new]
     reader.close()
     writer.close()
+
+
+def test_readers_racing_writers_never_get_torn_or_foreign_bytes(
+    agent: tuple[Path, subprocess.Popen[str]],  # noqa: F811
+) -> None:
+    """A writer keeps evicting chunks and storing them anew with other bytes, so DRAM slots
+    are reused under readers that do not verify payloads: every chunk a reader accepts is
+    one whole copy of that key."""
+    cfg, _ = agent
+    sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
+    keys = chunk_keys(np.arange(32 * 4), FP)
+    versions = {k: [bytes([j]) * N for j in range(4 * i, 4 * i + 4)] for i, k in enumerate(keys)}
+    writer = AgentClient(sock)
+    readers = [AgentClient(sock, verify_payload=False) for _ in range(2)]
+    writer.put_many([(meta(k), versions[k][0]) for k in keys])
+    stop = threading.Event()
+    bad: list[str] = []
+    served = [0, 0]
+
+    def read(n: int) -> None:
+        got: dict[int, bytes] = {}
+
+        def slow_copy(i: int, _: codec.ChunkMeta, v: memoryview) -> None:
+            head = bytes(v[: N // 2])
+            time.sleep(0.002)  # widen the window in which the writer may reuse the slot
+            got[i] = head + bytes(v[N // 2 :])
+
+        while not stop.is_set():
+            got.clear()
+            rep = readers[n].load_report(keys, FP.digest, slow_copy)
+            for i, ok in enumerate(rep.ok):
+                if ok:
+                    served[n] += 1
+                    if got[i] not in versions[keys[i]]:
+                        bad.append(f"{keys[i]}: {set(got[i][:: N // 64])}")
+
+    threads = [threading.Thread(target=read, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    j = 0
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            k = keys[j % 4]
+            writer.admin("evict", key=k, tiers=["dram"])
+            writer.put_many([(meta(k), versions[k][j % 4])])
+            j += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not bad, bad[:3]
+    assert min(served) > 0 and j > 10
+    for c in (writer, *readers):
+        c.close()

@@ -36,6 +36,7 @@ _KEPT_MAPPINGS: list[Any] = []
 _STASH_MAX = 8  # slots a client may hold reserved between puts
 _TOUCH_BATCH = 64  # direct DRAM hits reported to the agent per message, at most
 _TOUCH_AGE_S = 0.25  # ... or this long after the first unreported one
+_TOUCH_SEND_S = 1.0  # a touch the agent does not take in this long breaks the connection
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
 # Called with (index in request, meta, payload view) while the slot is leased: copy out now.
@@ -122,11 +123,15 @@ class AgentClient:
             prefault(self._buf, write=False)
             maybe_pin_host_memory(self._buf)
         if self._index is not None:
-            self._index.close()
+            # Another thread may still be reading through it (see _load_direct): keep
+            # it, like the old pool. A new agent has marked it dead anyway.
+            self._stale.append(self._index)
         self._index = None
         if self._buf is not None and hello.get("index_shm"):
             try:
-                self._index = SlotIndexReader(attach_shm(hello["index_shm"]))
+                self._index = SlotIndexReader(
+                    attach_shm(hello["index_shm"]), hello.get("num_slots")
+                )
             except (OSError, ValueError) as e:  # every load then asks the agent
                 log.warning("shared DRAM index unavailable (%s): loads go through the agent", e)
         for m in self._models:  # a restarted agent forgot what this client registered
@@ -176,9 +181,9 @@ class AgentClient:
         """Register a connector's fingerprint (``ModelRegistration`` fields) with the agent,
         which keeps it in the directory while this client stays connected. Returns its hex."""
         doc = dict(model)
-        h = str(self._retry(lambda: self._call({"op": "register_model", "model": doc}))[
-            "fingerprint"
-        ])
+        h = str(
+            self._retry(lambda: self._call({"op": "register_model", "model": doc}))["fingerprint"]
+        )
         self._models.append(doc)
         return h
 
@@ -187,9 +192,7 @@ class AgentClient:
         Returns which keys were delivered; the rest are misses."""
         return self.load_report(keys, fingerprint, sink).ok
 
-    def load_report(
-        self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink
-    ) -> LoadReport:
+    def load_report(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> LoadReport:
         """``load_many`` that also says which source served each chunk and why a returned
         chunk was refused."""
         if not keys:
@@ -227,18 +230,26 @@ class AgentClient:
         self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink, rep: LoadReport
     ) -> list[int]:
         """Serve what the shared index finds; return the positions left for the agent."""
-        ix = self._index
-        assert ix is not None
+        with self._lock:  # one consistent (index, pool) pair, should a reconnect swap them
+            ix, buf, slot_bytes = self._index, self._buf, self.slot_bytes
+        if ix is None or buf is None:
+            return list(range(len(keys)))
         rest: list[int] = []
         hits: list[list[Any]] = []
         for i, key in enumerate(keys):
             found = ix.find(key)
-            if found is None or found[2] > self.slot_bytes:
+            if found is None or found[2] > slot_bytes:
                 rest.append(i)
                 continue
             slot, gen, length = found
+            off = slot * slot_bytes
             status, tokens = self._deliver(
-                i, key, self._slot(slot, length), fingerprint, sink, rep,
+                i,
+                key,
+                buf[off : off + length],
+                fingerprint,
+                sink,
+                rep,
                 still_valid=functools.partial(ix.unchanged, slot, gen),
             )
             if status == "raced":  # the slot changed under the copy: ask the agent
@@ -267,10 +278,21 @@ class AgentClient:
     def _flush_touches(self) -> None:
         """Send the pending touches (call with ``_lock`` held). A lost connection loses
         them: they are hints."""
-        if self._touches:
-            hits, self._touches = self._touches, []
-            with contextlib.suppress(ConnectionLost, OSError):
-                send_only(self._sock, {"op": "touch", "hits": hits})
+        if not self._touches:
+            return
+        hits, self._touches = self._touches, []
+        sock = self._sock
+        sock.settimeout(_TOUCH_SEND_S)  # a stalled agent must not stall direct reads long
+        try:
+            send_only(sock, {"op": "touch", "hits": hits})
+        except (ConnectionLost, OSError):
+            # Part of a frame may have gone out: the stream is unusable. Shut it so the
+            # next call reconnects instead of reading out of step.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            with contextlib.suppress(OSError):
+                sock.settimeout(self.timeout)
 
     def _deliver(
         self,
@@ -317,8 +339,9 @@ class AgentClient:
         def keep(i: int, meta: ChunkMeta, payload: memoryview) -> None:
             out[i] = (meta, memoryview(bytearray(payload)))
 
-        self.load_many(keys, fingerprint, keep)
-        return out
+        ok = self.load_many(keys, fingerprint, keep)
+        # The sink also saw copies that were then refused (damaged, or raced and missed).
+        return [o if k else None for o, k in zip(out, ok, strict=True)]
 
     def put_many(
         self,
@@ -398,7 +421,9 @@ class AgentClient:
         if any(s is None for s in slots):
             self.abort_reservation(res)
             return None
-        res.views = [self._slot(sl, n)[codec.HEADER_SIZE :] for sl, n in zip(slots, sizes, strict=True)]
+        res.views = [
+            self._slot(sl, n)[codec.HEADER_SIZE :] for sl, n in zip(slots, sizes, strict=True)
+        ]
         return res
 
     def commit_payloads(

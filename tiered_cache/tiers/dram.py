@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 from tiered_cache import codec
+from tiered_cache.keys import is_valid_key
 from tiered_cache.tiers.base import Tier, TierFull, TierUsage
 from tiered_cache.tiers.shm_index import SlotIndex
 
@@ -114,8 +115,17 @@ class DRAMTier(Tier):
         self._index: dict[str, int] = {}
         self._free: list[int] = list(range(n - 1, -1, -1))
         self._used_bytes = 0
-        # Published copy of the index, read by clients without asking the agent.
-        self.shared_index = SlotIndex(self._shm.name, n)
+        # Published copy of the index, read by clients without asking the agent. Made
+        # before _rebuild frees any slot: it retires a dead owner's index first.
+        try:
+            self.shared_index = SlotIndex(self._shm.name, n)
+        except BaseException:
+            self._buf.release()
+            self._shm.close()
+            if created:
+                self._shm.unlink()
+            raise
+        _OWNED.add(self.shared_index.name)  # an attach in this process must not untrack it
         if recover and not created:
             self._rebuild()
 
@@ -151,6 +161,8 @@ class DRAMTier(Tier):
                 meta, plen, _ = codec.parse_header(mv[: codec.HEADER_SIZE])
                 if codec.HEADER_SIZE + plen > self.slot_bytes:
                     raise codec.ChunkCorrupt("length exceeds slot")
+                if not is_valid_key(meta.key):
+                    raise codec.ChunkCorrupt("not a chunk key")
                 codec.decode(mv[: codec.HEADER_SIZE + plen])
             except codec.ChunkError:
                 mv[:4] = b"\0\0\0\0"
@@ -190,6 +202,8 @@ class DRAMTier(Tier):
         """Publish a filled slot under ``key``; the old copy is freed (or zombied)."""
         if length > self.slot_bytes:
             raise ValueError(f"chunk of {length} B exceeds slot size {self.slot_bytes} B")
+        if not is_valid_key(key):  # before any state changes: a refused commit leaks nothing
+            raise ValueError(f"invalid chunk key {key!r}")
         old = self._index.get(key)
         s = self._slots[slot]
         s.key, s.length, s.zombie = key, length, False

@@ -9,11 +9,18 @@ The agent is the only writer; clients read it optimistically, seqlock style:
 - a linear-probing hash table maps a key to its slot.
 
 A reader finds the slot, notes an even ``gen``, copies the chunk out, and then checks that
-``gen`` did not move. If it moved the copy is discarded and the client asks the agent
-instead, as it does for anything the index does not answer (a probe that races a
-deletion, a chunk that lives below DRAM). The chunk's header (key, fingerprint) and
-payload checksum are verified as on every other path, so even a reader that raced the
-writer in a way the generation missed cannot hand out wrong bytes.
+``gen`` did not move and the index is still live. If either changed the copy is discarded
+and the client asks the agent instead, as it does for anything the index does not answer
+(a probe that races a deletion, a chunk that lives below DRAM). That final check is what
+makes a copy safe: a slot's bytes change only while its ``gen`` is odd, and only after the
+index has gone dead when a new agent takes the pool over. The header (key, fingerprint)
+and payload checksum are verified as on every other path; they catch damage at rest, not
+races (the hash and the copy read the slot at different moments).
+
+Ordering: the owner writes a row's key and length before making ``gen`` even, and makes
+``gen`` odd before a slot can be reused. Readers rely on stores becoming visible in that
+order, which x86 guarantees; elsewhere the agent's socket round trips between a drop and
+a reuse of the slot (reserve, then the writer's copy) act as the barrier.
 
 An index is live while its owner runs. The next owner marks a dead owner's index dead
 before replacing it, so a client still attached to it stops trusting it and asks the
@@ -29,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import struct
 from multiprocessing import shared_memory
+
+from tiered_cache.keys import is_valid_key
 
 MAGIC = b"TCIX"
 VERSION = 1
@@ -82,6 +91,7 @@ class SlotIndex:
             _U64.pack_into(self._buf, HEADER + ROW * s, 1)  # odd: nothing published
         _HDR.pack_into(self._buf, 0, MAGIC, VERSION, num_slots, self.nbuckets)
         _U32.pack_into(self._buf, _LIVE, 1)
+        self._closed = False
 
     @property
     def name(self) -> str:
@@ -98,6 +108,8 @@ class SlotIndex:
 
     def publish(self, key: str, slot: int, length: int) -> None:
         """``slot`` now holds ``key`` (``length`` bytes); replaces any bucket for ``key``."""
+        if not is_valid_key(key):
+            raise ValueError(f"invalid chunk key {key!r}")
         row = HEADER + ROW * slot
         gen = self._gen(slot)
         if not gen & 1:  # published already (not expected): retract it first
@@ -155,6 +167,9 @@ class SlotIndex:
         self._set_bucket(i, 0)
 
     def close(self, unlink: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if unlink:
             _U32.pack_into(self._buf, _LIVE, 0)
         with contextlib.suppress(BufferError):
@@ -168,15 +183,27 @@ class SlotIndex:
 class SlotIndexReader:
     """Client side: find a key's slot, and later check the slot did not change."""
 
-    def __init__(self, shm: shared_memory.SharedMemory) -> None:
+    def __init__(self, shm: shared_memory.SharedMemory, num_slots: int | None = None) -> None:
         assert shm.buf is not None
         self._shm = shm
         buf = memoryview(shm.buf)
-        magic, version, n, nb = _HDR.unpack_from(buf, 0)
-        if magic != MAGIC or version != VERSION or nb & (nb - 1):
+        ok = buf.nbytes >= HEADER
+        if ok:
+            magic, version, n, nb = _HDR.unpack_from(buf, 0)
+            ok = (
+                magic == MAGIC
+                and version == VERSION
+                and nb > 0
+                and not nb & (nb - 1)
+                and buf.nbytes >= HEADER + ROW * n + 4 * nb
+                and (num_slots is None or n == num_slots)
+            )
+        if not ok:
             buf.release()
+            shm.close()
             raise ValueError(f"shared-memory index {shm.name} has an unknown layout")
         self._buf = buf
+        self._closed = False
         self.num_slots = n
         self._mask = nb - 1
         self._boff = HEADER + ROW * n
@@ -184,8 +211,8 @@ class SlotIndexReader:
     def find(self, key: str) -> tuple[int, int, int] | None:
         """``(slot, gen, length)`` of ``key``'s published copy, or None (ask the agent)."""
         buf = self._buf
-        if not _U32.unpack_from(buf, _LIVE)[0]:
-            return None  # the agent that kept it is gone
+        if not _U32.unpack_from(buf, _LIVE)[0] or not is_valid_key(key):
+            return None  # the agent that kept it is gone (or no such key can be here)
         kb = bytes.fromhex(key)
         b = _home(key, self._mask)
         for _ in range(MAX_PROBE):
@@ -202,9 +229,17 @@ class SlotIndexReader:
         return None
 
     def unchanged(self, slot: int, gen: int) -> bool:
-        return bool(_U64.unpack_from(self._buf, HEADER + ROW * slot)[0] == gen)
+        """The slot still holds what ``find`` saw. Live is read after ``gen``: a new owner
+        retires the index before it reuses any slot, without touching old generations."""
+        buf = self._buf
+        return bool(
+            _U64.unpack_from(buf, HEADER + ROW * slot)[0] == gen and _U32.unpack_from(buf, _LIVE)[0]
+        )
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         with contextlib.suppress(BufferError):
             self._buf.release()
             self._shm.close()
