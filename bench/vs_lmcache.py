@@ -7,8 +7,8 @@ Our chunks carry a 256-byte header on top; GB/s counts payload bytes on both sid
 LMCache's backends are driven directly (no ``StorageManager``), sharing one CPU pool and
 one event loop thread, as its StorageManager would set them up.
 
-- DRAM: our client path (the agent in its own process; reserve a slot, copy in + xxh3,
-  commit; lease, copy out + verify, release) against LMCache's ``LocalCPUBackend``
+- DRAM: our client path (the agent in its own process; a stashed slot, copy in + xxh3,
+  commit; the slot from the shared index, copy out + verify) against LMCache's ``LocalCPUBackend``
   in-process (allocate from its pool, copy in, ``submit_put_task``; ``get_blocking``, copy
   out, ``ref_count_down``). Both copy with ``np.copyto``; the destination is shared.
 - NVMe: ``NVMeTier`` against ``LocalDiskBackend`` in sibling directories of one
@@ -19,8 +19,9 @@ one event loop thread, as its StorageManager would set them up.
   its completion callback). Ours writes the encoded chunk as the hierarchy demotes it,
   LMCache a chunk already in its pool; ours reads into a prefaulted DRAM slot (the
   promotion path, before the hierarchy's checksum), LMCache into a chunk from its pool.
-  LMCache never fsyncs; ours fsyncs (file, then directory after the atomic rename)
-  unless ``fsync=False``, so both durabilities are reported.
+  LMCache never fsyncs; ours fsyncs the file after the atomic rename unless
+  ``fsync=False``, so both durabilities are reported. Raw O_DIRECT write (no fsync) and
+  read of the same bytes run beside both, as the device's ceiling.
 - S3: ``S3Tier`` against LMCache's S3 connector (awscrt) behind its ``RemoteBackend``,
   naive serde, on the same moto server. That connector only speaks virtual-host
   addressing (``bucket.host:port``); ``lmc.localhost`` is used, and where the system
