@@ -3,11 +3,13 @@ that races a writer is retried through the agent, never delivered torn."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +47,9 @@ ops = st.lists(
 @given(ops=ops)
 def test_reader_agrees_with_the_owner(ops: list[tuple[str, int, int, int]]) -> None:
     slots = 8  # 16 buckets
-    name = f"tc_ix_{uuid.uuid4().hex[:10]}"
-    ix = SlotIndex(name, slots)
-    reader = SlotIndexReader(attach_shm(index_name(name)))
     model: dict[str, tuple[int, int]] = {}  # key -> (slot, length)
     free = list(range(slots))
-    try:
+    with _index(slots) as (_, ix, reader):
         for op, home, tag, length in ops:
             k = _key(_HOMES[home], tag)
             if op == "put" and (free or k in model):
@@ -71,16 +70,23 @@ def test_reader_agrees_with_the_owner(ops: list[tuple[str, int, int, int]]) -> N
                     assert got is not None and (got[0], got[2]) == model[key], key
                 else:
                     assert got is None, key
+
+
+@contextlib.contextmanager
+def _index(slots: int) -> Iterator[tuple[str, SlotIndex, SlotIndexReader]]:
+    """An owner's index and a reader attached to it, as agent and client hold them."""
+    name = f"tc_ix_{uuid.uuid4().hex[:10]}"
+    ix = SlotIndex(name, slots)
+    reader = SlotIndexReader(attach_shm(index_name(name)))
+    try:
+        yield name, ix, reader
     finally:
         reader.close()
         ix.close()
 
 
 def test_a_dropped_and_reused_slot_never_reads_unchanged() -> None:
-    name = f"tc_ix_{uuid.uuid4().hex[:10]}"
-    ix = SlotIndex(name, 4)
-    reader = SlotIndexReader(attach_shm(index_name(name)))
-    try:
+    with _index(4) as (_, ix, reader):
         k = _key(7, 1)
         ix.publish(k, 2, 100)
         found = reader.find(k)
@@ -91,32 +97,24 @@ def test_a_dropped_and_reused_slot_never_reads_unchanged() -> None:
         ix.publish(k, 2, 100)  # same key, same slot, same length: still a new generation
         assert not reader.unchanged(slot, gen)
         assert reader.find(k) is not None
-    finally:
-        reader.close()
-        ix.close()
 
 
 def test_a_new_owner_retires_the_old_index() -> None:
-    name = f"tc_ix_{uuid.uuid4().hex[:10]}"
-    first = SlotIndex(name, 4)
-    reader = SlotIndexReader(attach_shm(index_name(name)))
-    k = _key(3, 3)
-    first.publish(k, 1, 10)
-    assert reader.find(k) is not None
-    # The agent died without closing (kill -9); a restarted one replaces the index. A
-    # client still attached to the old one must stop trusting it.
-    found = reader.find(k)
-    assert found is not None
-    second = SlotIndex(name, 4)
-    try:
-        assert reader.find(k) is None
-        # A copy begun before the restart is refused too: the new owner may reuse the slot
-        # without ever touching the old index's generations.
-        assert not reader.unchanged(found[0], found[1])
-    finally:
-        reader.close()
-        first.close(unlink=False)
-        second.close()
+    with _index(4) as (name, first, reader):
+        k = _key(3, 3)
+        first.publish(k, 1, 10)
+        found = reader.find(k)
+        assert found is not None
+        # The agent died without closing (kill -9); a restarted one replaces the index. A
+        # client still attached to the old one must stop trusting it.
+        second = SlotIndex(name, 4)
+        try:
+            assert reader.find(k) is None
+            # A copy begun before the restart is refused too: the new owner may reuse the
+            # slot without ever touching the old index's generations.
+            assert not reader.unchanged(found[0], found[1])
+        finally:
+            second.close()
 
 
 async def test_dram_tier_keeps_the_index_in_step() -> None:
