@@ -432,7 +432,7 @@ def _nvme_mode(
     slot: memoryview,
 ) -> dict[str, Any]:
     """One I/O mode: ours (fsync on, and off) and LMCache's disk backend, same files."""
-    from tiered_cache.tiers.nvme import NVMeTier
+    from tiered_cache.tiers.nvme import NVMeTier, hugepage_buffer
 
     n, size, mode = s.n, s.size, "o_direct" if direct else "buffered"
     ours = {
@@ -470,7 +470,7 @@ def _nvme_mode(
             # as LMCache) of the same bytes to a new file, and read of it.
             raw_dir = base / "raw-o_direct"
             raw_dir.mkdir()
-            aligned = mmap.mmap(-1, -(-(size + codec.HEADER_SIZE) // 4096) * 4096)
+            aligned = hugepage_buffer(-(-(size + codec.HEADER_SIZE) // 4096) * 4096)
             aligned[: size + codec.HEADER_SIZE] = chunks[0][0]
 
             def raw_put(i: int) -> None:

@@ -242,11 +242,12 @@ def _fs_accepts_o_direct(d: Path) -> bool:
             p.unlink()
 
 
-async def test_o_direct_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read_bounce", [True, False])
+async def test_o_direct_round_trip(tmp_path: Path, read_bounce: bool) -> None:
     root = tmp_path / "od"
     root.mkdir()
     expect_direct = _fs_accepts_o_direct(tmp_path)
-    tier = NVMeTier(root, 10 << 20, o_direct=True)
+    tier = NVMeTier(root, 10 << 20, o_direct=True, read_bounce=read_bounce)
     assert tier.o_direct_active is expect_direct
     sizes = [1, 4096 - H, 4096 * 3 - H + 17, 300_001]
     chunks = [make_chunk(i, s) for i, s in enumerate(sizes)]
@@ -256,7 +257,8 @@ async def test_o_direct_round_trip(tmp_path: Path) -> None:
         # The alignment padding is truncated away: the file is exactly the chunk.
         assert kvc(root, k).stat().st_size == len(b)
         assert await tier.get(k) == b
-        # Aligned caller buffer (read lands in place) and unaligned one (bounce copy).
+        # Aligned caller buffer (the read lands in place unless read_bounce) and an
+        # unaligned one (always through the bounce buffer).
         aligned = mmap.mmap(-1, len(b) + 8192)
         with memoryview(aligned) as mv:
             assert await tier.get_into(k, mv) == len(b)

@@ -26,8 +26,9 @@ read, turning a damaged payload into a miss.
 
 I/O runs on a bounded thread pool (``max_concurrency`` workers), one large contiguous
 write per chunk (``os.writev`` of the caller's buffers, no per-element work). With
-``o_direct=True`` reads and writes bypass the page cache through page-aligned (mmap)
-buffers padded to 4096 bytes, the file is then truncated to its real length; a filesystem
+``o_direct=True`` reads and writes bypass the page cache through per-thread page-aligned
+buffers backed by huge pages where the kernel allows (``hugepage_buffer``), padded to
+4096 bytes; the file is then truncated to its real length; a filesystem
 that refuses O_DIRECT is detected at open and the tier falls back to buffered I/O with a
 warning (``o_direct_active`` tells which is in use).
 
@@ -92,6 +93,23 @@ class ScanReport:
     tmp_removed: int  # leftovers of writes interrupted by a crash
 
 
+def hugepage_buffer(n: int) -> mmap.mmap:
+    """A page-aligned private buffer that transparent huge pages may back.
+
+    O_DIRECT pins the buffer's pages and hands the device one segment per physically
+    contiguous run. From 4 KiB-page memory (shared memory, or ``mmap.mmap(-1, n)``, which
+    is shared too) a virtio disk here moved 8 MiB 2.4x slower on reads and 1.7x slower on
+    writes than from 2 MiB pages. So O_DIRECT goes through one of these, at the cost of a
+    memcpy (~0.4 ms per 8 MiB)."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, n, flags=flags) if flags else mmap.mmap(-1, n)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # no THP here: plain pages still work
+            buf.madvise(advice)
+    return buf
+
+
 class NVMeTier(Tier):
     name = "nvme"
 
@@ -103,13 +121,16 @@ class NVMeTier(Tier):
         max_concurrency: int = 8,
         o_direct: bool = False,
         fsync: bool = True,
+        read_bounce: bool = True,
         metrics: Metrics | None = None,
     ) -> None:
         """Open (creating if needed) the tier at ``path`` and rebuild its index.
 
         Blocking: scans the directory, so call it before serving (or via ``asyncio.to_thread``).
         ``fsync=False`` keeps crash safety against process death (rename is still atomic)
-        but not against power loss.
+        but not against power loss. ``read_bounce`` (O_DIRECT only): ``get_into`` reads
+        into a huge-page buffer and copies, rather than straight into the caller's buffer
+        (see ``hugepage_buffer``); turn it off where DMA into the caller's memory is as fast.
         """
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0 or None")
@@ -118,6 +139,7 @@ class NVMeTier(Tier):
         self.root = Path(path)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.read_bounce = read_bounce
         self._metrics = metrics
         self._tmp = self.root / _TMP
         self._mu = threading.Lock()  # guards _index, _used, _reserved
@@ -470,7 +492,7 @@ class NVMeTier(Tier):
         if buf is None or len(buf) < n:
             if buf is not None:
                 buf.close()
-            buf = mmap.mmap(-1, n)
+            buf = hugepage_buffer(n)
             self._tls.buf = buf
         return buf
 
@@ -513,17 +535,14 @@ class NVMeTier(Tier):
                     raise ValueError(f"buffer of {out.nbytes} bytes too small for {size}")
                 padded = _round_up(size)
                 if not self.o_direct_active or (
-                    out.nbytes >= padded and _address(out) % ALIGN == 0
+                    not self.read_bounce and out.nbytes >= padded and _address(out) % ALIGN == 0
                 ):  # straight into the caller's buffer
                     got = self._read_all(fd, out, size)
-                else:  # caller buffer unusable for O_DIRECT: bounce through an aligned one
-                    buf = mmap.mmap(-1, max(padded, ALIGN))
-                    try:
-                        got = self._read_all(fd, buf, size)
-                        with memoryview(buf) as mv, mv[:got] as src:
-                            out[:got] = src
-                    finally:
-                        buf.close()
+                else:  # through this thread's huge-page buffer, then one copy
+                    buf = self._aligned(max(padded, ALIGN))
+                    got = self._read_all(fd, buf, size)
+                    with memoryview(buf) as mv, mv[:got] as src:
+                        out[:got] = src
             finally:
                 os.close(fd)
         except OSError as e:
