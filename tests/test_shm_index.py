@@ -85,13 +85,20 @@ def _index(slots: int) -> Iterator[tuple[str, SlotIndex, SlotIndexReader]]:
         ix.close()
 
 
+def _published(
+    ix: SlotIndex, reader: SlotIndexReader, k: str, slot: int, length: int
+) -> tuple[int, int, int]:
+    """Publish ``k`` and return what a reader then finds for it."""
+    ix.publish(k, slot, length)
+    found = reader.find(k)
+    assert found is not None
+    return found
+
+
 def test_a_dropped_and_reused_slot_never_reads_unchanged() -> None:
     with _index(4) as (_, ix, reader):
         k = _key(7, 1)
-        ix.publish(k, 2, 100)
-        found = reader.find(k)
-        assert found is not None
-        slot, gen, _ = found
+        slot, gen, _ = _published(ix, reader, k, 2, 100)
         assert reader.unchanged(slot, gen)
         ix.unpublish(2)
         ix.publish(k, 2, 100)  # same key, same slot, same length: still a new generation
@@ -102,9 +109,7 @@ def test_a_dropped_and_reused_slot_never_reads_unchanged() -> None:
 def test_a_new_owner_retires_the_old_index() -> None:
     with _index(4) as (name, first, reader):
         k = _key(3, 3)
-        first.publish(k, 1, 10)
-        found = reader.find(k)
-        assert found is not None
+        found = _published(first, reader, k, 1, 10)
         # The agent died without closing (kill -9); a restarted one replaces the index. A
         # client still attached to the old one must stop trusting it.
         second = SlotIndex(name, 4)

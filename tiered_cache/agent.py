@@ -555,8 +555,7 @@ class NodeAgent:
                     out.append({"slot": got[0], "len": got[1], "src": src})
             return {"items": out}
         if op == "touch":  # one-way: chunks a client read through the shared index
-            if isinstance(store.slots[0].tier, DRAMTier):
-                store.note_dram_hits(msg["hits"])
+            store.note_dram_hits(msg["hits"])
             return {}
         if op == "release":
             for slot in msg["slots"]:

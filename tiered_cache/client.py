@@ -203,7 +203,7 @@ class AgentClient:
         rep = LoadReport([False] * len(keys), [""] * len(keys))
         # DRAM hits straight from the pool through the shared index: no round trip. The
         # agent serves the rest (lower tiers, peers, and any read that raced a writer).
-        todo = self._load_direct(keys, fingerprint, sink, rep) if self._index else range(len(keys))
+        todo = self._load_direct(keys, fingerprint, sink, rep)
         if not todo:
             return rep
         want = [keys[i] for i in todo]
@@ -467,9 +467,12 @@ class AgentClient:
                 self._flush_touches()
             self._sock.close()
         finally:
-            if self._index is not None:
-                self._index.close()
-                self._index = None
+            # Indexes of earlier connections too: a reader left to the garbage collector
+            # would close its segment while its own view still holds it.
+            for ix in [self._index, *self._stale]:
+                if isinstance(ix, SlotIndexReader):
+                    ix.close()
+            self._index = None
             try:
                 if self._buf is not None:
                     self._buf.release()

@@ -664,7 +664,7 @@ class TieredStore:
     def note_dram_hits(self, hits: Sequence[tuple[str, int, int]]) -> None:
         """Account for ``(key, bytes, tokens)`` a client read straight from the pool through
         the shared index (no lease): recency for eviction, and the hit metrics."""
-        top = self._dram()
+        top = self._dram()  # only a DRAM tier has a shared index to read through
         tier = top.tier
         assert isinstance(tier, DRAMTier)
         for key, nbytes, tokens in hits:

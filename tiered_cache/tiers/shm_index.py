@@ -107,9 +107,8 @@ class SlotIndex:
         _U32.pack_into(self._buf, self._boff + 4 * b, v)
 
     def publish(self, key: str, slot: int, length: int) -> None:
-        """``slot`` now holds ``key`` (``length`` bytes); replaces any bucket for ``key``."""
-        if not is_valid_key(key):
-            raise ValueError(f"invalid chunk key {key!r}")
+        """``slot`` now holds ``key`` (``length`` bytes); replaces any bucket for ``key``.
+        ``key`` must be a valid chunk key: ``DRAMTier`` checks it before changing state."""
         row = HEADER + ROW * slot
         gen = self._gen(slot)
         if not gen & 1:  # published already (not expected): retract it first
