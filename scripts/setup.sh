@@ -7,11 +7,20 @@ PY=${PYTHON:-python3}
 EXTRAS=${TC_EXTRAS:-dev,vllm,lmcache}
 stamp=.venv/.tc-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${EXTRAS//,/_}
 if [ -f "$stamp" ]; then exit 0; fi
-command -v redis-server >/dev/null || {
-  echo "setup: installing redis-server (apt)" >&2
-  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
-  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi
-}
+# System packages the tests use: redis-server (the directory), chromium (the dashboard's
+# headless browser test), promtool (the alert rules) and ip (network namespaces for the
+# multi-node tests). Installed only when missing.
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v chromium >/dev/null || need+=(chromium)
+command -v promtool >/dev/null || need+=(prometheus)
+command -v ip >/dev/null || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing ${need[*]} (apt)" >&2
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 echo "setup: installing tiered-cache[$EXTRAS] into .venv (first run: ~3 min, ~4 GB)" >&2
 .venv/bin/pip install -q --upgrade pip
