@@ -48,8 +48,8 @@ async def test_slots_run_out_and_oversize_refused(dram: DRAMTier) -> None:
     assert not dram.has_room(100)
     with pytest.raises(TierFull):
         await dram.put(k(9), blob(k(9)))
-    with pytest.raises(TierFull, match="slot size"):
-        await dram.put(k(10), blob(k(10), n=9000))
+    with pytest.raises(TierFull, match="exceeds the DRAM pool"):
+        await dram.put(k(10), blob(k(10), n=4 * 8192))
     await dram.delete(k(0))
     await dram.put(k(9), blob(k(9)))
 
@@ -122,3 +122,63 @@ async def test_recover_rebuilds_index_from_slots() -> None:
         assert r.free_slots == 3
     finally:
         await r.close()
+
+
+async def test_chunk_larger_than_a_slot_takes_a_run(dram: DRAMTier) -> None:
+    """A chunk is stored across consecutive slots and reads back byte-exact."""
+    big = blob(k(1), n=3 * 8192 - 1000, fill=9)  # 3 slots
+    await dram.put(k(1), big)
+    assert await dram.get(k(1)) == big
+    assert dram.free_slots == 1
+    assert not dram.has_room(2 * 8192)
+    assert dram.has_room(8000)
+    await dram.put(k(2), blob(k(2)))
+    assert dram.free_slots == 0
+    slot, length = dram.acquire(k(1))  # type: ignore[misc]
+    assert length == len(big) and bytes(dram.slot_view(slot)[:length]) == big
+    dram.release(slot)
+
+
+async def test_freed_runs_merge_and_best_fit_keeps_long_extents() -> None:
+    t = DRAMTier(8 * 4096, 4096, shm_name=f"tc_test_{uuid.uuid4().hex[:8]}")
+    try:
+        for i in range(8):
+            await t.put(k(i), blob(k(i), n=3000))  # one slot each
+        for i in (1, 2, 3, 6):
+            await t.delete(k(i))
+        # Free: [1, 4) and [6, 7). A one-slot chunk goes to the short hole (best fit) ...
+        await t.put(k(20), blob(k(20), n=3000))
+        assert t.acquire(k(20))[0] == 6  # type: ignore[index]
+        # ... so a three-slot chunk still fits in the long one.
+        assert t.has_room(3 * 4096 - 100)
+        await t.put(k(21), blob(k(21), n=3 * 4096 - 400))
+        assert t.acquire(k(21))[0] == 1  # type: ignore[index]
+        # Neighbours merge: slots 4 and 5, freed one after the other, make one run of 2.
+        for i in (4, 5):
+            await t.delete(k(i))
+        assert t.has_room(2 * 4096 - 100) and not t.has_room(3 * 4096 - 100)
+    finally:
+        await t.close()
+
+
+async def test_recover_rebuilds_runs() -> None:
+    name = f"tc_test_{uuid.uuid4().hex[:8]}"
+    t = DRAMTier(8 * 4096, 4096, shm_name=name)
+    a, b = blob(k(1), n=3 * 4096 - 400, fill=1), blob(k(2), n=2 * 4096 - 400, fill=2)
+    await t.put(k(1), a)
+    await t.put(k(2), b)
+    await t.close(unlink=False)
+    r = DRAMTier(8 * 4096, 4096, shm_name=name, recover=True)
+    try:
+        assert await r.get(k(1)) == a and await r.get(k(2)) == b
+        assert r.free_slots == 3 and r.has_room(3 * 4096 - 400)
+    finally:
+        await r.close()
+
+
+def test_auto_slot_size_bounds_the_slot_count() -> None:
+    from tiered_cache.tiers.dram import auto_slot_bytes
+
+    assert auto_slot_bytes(2**30) == 64 * 2**10  # 1 GiB: 16,384 slots of 64 KiB
+    assert auto_slot_bytes(64 * 2**30) == 2**20  # 64 GiB: 65,536 slots of 1 MiB
+    assert auto_slot_bytes(2**20) == 64 * 2**10

@@ -359,3 +359,22 @@ async def test_leasing_more_chunks_than_dram_holds(nvme_dir: Path) -> None:
     for slot, _ in leased:
         store.release(slot)
     await store.close()
+
+
+async def test_chunk_stored_nowhere_is_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A put that no tier takes is never silent: a metric per reason, one log line."""
+    m = Metrics()
+    store = TieredStore([TierSlot(dram(2))], metrics=m)
+    try:
+        with caplog.at_level("WARNING", logger="tiered_cache.hierarchy"):
+            for i in range(3):
+                assert not await store.put(key(i), blob(key(i), n=3 * SLOT))
+        assert m.value("tiered_cache_chunks_dropped_total", reason="too_large") == 3
+        assert sum("stored in no tier" in r.message for r in caplog.records) == 1
+        # A chunk of two slots (a run) is stored.
+        assert await store.put(key(9), blob(key(9), n=SLOT + 100))
+        assert (await store.get(key(9))) is not None
+    finally:
+        await store.close()

@@ -527,6 +527,7 @@ class NodeAgent:
                 "index_shm": dram.shared_index.name if isinstance(dram, DRAMTier) else None,
                 "slot_bytes": getattr(dram, "slot_bytes", 0),
                 "num_slots": getattr(dram, "num_slots", 0),
+                "pool_bytes": getattr(dram, "pool_bytes", 0),
                 "tiers": [s.name for s in store.slots],
             }
         if op == "lookup":
@@ -579,20 +580,23 @@ class NodeAgent:
                 await store.commit_dram(
                     key, slot, length, info=EntryInfo(parent, pos), wait=bool(msg.get("wait"))
                 )
-            # Hand the client free slots for its next put, so a put costs one round trip
-            # (commit) instead of two. Only slots free without evicting, never the last
-            # quarter of the pool, and at most a 16th of it per client: in a small pool the
-            # stashes of busy clients would otherwise leave nothing to evict for a pin.
+            # Hand the client free runs for its next put, so a put costs one round trip
+            # (commit) instead of two: runs as long as this commit's largest chunk, only
+            # ones free without evicting, never the last quarter of the pool, and at most
+            # a 16th of it per client: in a small pool the stashes of busy clients would
+            # otherwise leave nothing to evict for a pin.
             dram = store.slots[0].tier
-            stash: list[int] = []
-            if isinstance(dram, DRAMTier):
-                give = min(int(msg.get("refill") or 0), 8, dram.num_slots // 16)
+            stash: list[list[int]] = []
+            if isinstance(dram, DRAMTier) and msg["items"]:
+                size = max(int(it[2]) for it in msg["items"])
+                pages = -(-size // dram.slot_bytes)
+                give = min(int(msg.get("refill") or 0), 8, dram.num_slots // (16 * pages))
                 for _ in range(give):
-                    if dram.free_slots <= dram.num_slots // 4:
+                    if dram.free_slots - pages < dram.num_slots // 4 or not dram.has_room(size):
                         break
-                    sl = dram.reserve()
+                    sl = dram.reserve(size)
                     conn.reserved.add(sl)
-                    stash.append(sl)
+                    stash.append([sl, pages * dram.slot_bytes])
             return {"slots": stash}
         if op == "abort":
             for slot in msg["slots"]:

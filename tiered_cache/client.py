@@ -102,11 +102,13 @@ class AgentClient:
             raise
         self._sock = sock
         self._conn_gen = getattr(self, "_conn_gen", 0) + 1  # reservations die with a connection
-        self._stash: list[int] = []  # DRAM slots the agent reserved for our next put
+        self._stash: list[tuple[int, int]] = []  # (slot, bytes) reserved for our next put
         hello = call_sync(sock, {"op": "hello"})
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
         self.slot_bytes: int = hello["slot_bytes"]
+        # A chunk takes a run of slots: anything up to the pool's size fits.
+        self.pool_bytes: int = int(hello.get("pool_bytes") or 0)
         if self._shm is not None:
             # Views handed out earlier may still point into the old mapping: keep it
             # referenced (closing it would fail while views exist) and never reuse it.
@@ -238,7 +240,7 @@ class AgentClient:
         hits: list[list[Any]] = []
         for i, key in enumerate(keys):
             found = ix.find(key)
-            if found is None or found[2] > slot_bytes:
+            if found is None or found[0] * slot_bytes + found[2] > buf.nbytes:
                 rest.append(i)
                 continue
             slot, gen, length = found
@@ -364,13 +366,18 @@ class AgentClient:
         sizes = [codec.HEADER_SIZE + p.nbytes for p in payloads]
         slots: list[int | None] = [None] * len(items)
         if self._buf is not None:
-            # Slots the agent handed us with the last commit first, then reserve the rest.
-            fits = [i for i, n in enumerate(sizes) if n <= self.slot_bytes]
-            while fits and self._stash:
-                slots[fits.pop(0)] = self._stash.pop()
-            if fits:
-                got = self._call({"op": "reserve", "sizes": [sizes[i] for i in fits]})["slots"]
-                for i, sl in zip(fits, got, strict=True):
+            # Runs the agent handed us with the last commit first, then reserve the rest.
+            fits = [i for i, n in enumerate(sizes) if n <= self.pool_bytes]
+            rest: list[int] = []
+            for i in fits:
+                at = next((j for j, (_, cap) in enumerate(self._stash) if cap >= sizes[i]), None)
+                if at is None:
+                    rest.append(i)
+                else:
+                    slots[i] = self._stash.pop(at)[0]
+            if rest:
+                got = self._call({"op": "reserve", "sizes": [sizes[i] for i in rest]})["slots"]
+                for i, sl in zip(rest, got, strict=True):
                     slots[i] = sl
         commits: list[list[Any]] = []
         try:
@@ -405,7 +412,7 @@ class AgentClient:
         if commits:
             refill = max(0, min(len(commits), _STASH_MAX) - len(self._stash))
             r = self._call({"op": "commit", "items": commits, "wait": wait, "refill": refill})
-            self._stash.extend(s for s in r.get("slots", ()) if s is not None)
+            self._stash.extend((int(sl), int(cap)) for sl, cap in r.get("slots", ()))
 
     # -- zero-copy puts: the caller writes payloads straight into reserved DRAM slots
 
@@ -505,7 +512,7 @@ def config_from_extra(extra_config: Mapping[str, Any]) -> CacheConfig:
                 "node_id": f"local-{tag}",
                 "dram": {
                     "capacity": extra_config.get("dram_capacity", "256MiB"),
-                    "slot_bytes": extra_config.get("slot_bytes", "8MiB"),
+                    "slot_bytes": extra_config.get("slot_bytes", "auto"),
                 },
                 "nvme": {
                     "enabled": True,

@@ -72,6 +72,12 @@ def parse_duration(v: Any) -> float | None:
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def _slot_size(v: Any) -> int:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return 0
+    return parse_size(v)
 EvictionName = str
 WriteMode = Literal["write_through", "write_back"]
 
@@ -107,8 +113,9 @@ class TierPolicy(_Strict):
 class DramConfig(TierPolicy):
     enabled: bool = True
     capacity: Size = parse_size("1GiB")
-    # One chunk per slot. 0 = derive from the model's chunk bytes at first use.
-    slot_bytes: Size = parse_size("8MiB")
+    # The pool's allocation unit: a chunk takes a run of ceil(size / slot_bytes) slots, so
+    # chunks of any size fit. auto (0): capacity / 65536, at least 64 KiB.
+    slot_bytes: Annotated[int, BeforeValidator(_slot_size)] = 0
     shm_name: str | None = None
     verify_reads: bool = False
 

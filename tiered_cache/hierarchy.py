@@ -110,6 +110,7 @@ class TieredStore:
         self._bg: set[asyncio.Task[None]] = set()
         self._bg_sem = asyncio.Semaphore(max_background)
         self._info: dict[str, EntryInfo] = {}
+        self._dropped_logged: set[str] = set()
         # tier -> key -> ids of pins covering it
         self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
         self._pins: dict[str, Pin] = {}
@@ -205,15 +206,20 @@ class TieredStore:
         *,
         demotion: bool = False,
         force: bool = False,
+        why: list[str] | None = None,
     ) -> bool:
-        """Admit, make room and store into one tier. False when refused."""
+        """Admit, make room and store into one tier. False when refused; then ``why``
+        (when given) gets the reason: refused, too_large, full or io."""
         n = memoryview(data).nbytes
         name = slot.name
+        why = why if why is not None else []
         if not force and key not in self._pinned[name] and not slot.admission.admit(key, n):
             self.metrics.admission_rejects.labels(name).inc()
+            why.append("refused")
             return False
         if not slot.tier.fits(n):
             self.metrics.write_errors.labels(name, "too_large").inc()
+            why.append("too_large")
             return False
         t0 = time.perf_counter()
         async with self._locks[name]:
@@ -228,10 +234,12 @@ class TieredStore:
             except TierFull as e:
                 self.metrics.write_errors.labels(slot.name, "full").inc()
                 log.warning("%s refused %s: %s", slot.name, key, e)
+                why.append("full")
                 return False
             except TierError as e:
                 self.metrics.write_errors.labels(slot.name, "io").inc()
                 log.warning("%s write of %s failed: %s", slot.name, key, e)
+                why.append("io")
                 return False
             slot.eviction.on_remove(key)  # a replaced key is re-tracked once
             self._track(slot, key, n)
@@ -278,19 +286,38 @@ class TieredStore:
             return True
         raw = bytes(data) if not isinstance(data, bytes) else data
         stored = False
+        why: list[str] = []
         through: list[Awaitable[None]] = []
         for i, slot in enumerate(self.slots):
             if i == 0 or not stored:
-                stored = await self._write_tier(slot, key, raw) or stored
+                stored = await self._write_tier(slot, key, raw, why=why) or stored
                 continue
             if slot.write_mode == "write_through" or self._is_pinned(slot.name, key):
                 through.append(self._write_tier_bg(slot, key, raw))
+        if not stored:
+            self._dropped(key, len(raw), why)
         if wait:
             await asyncio.gather(*through)
         else:
             for c in through:
                 self._spawn(c)
         return stored
+
+    def _dropped(self, key: str, nbytes: int, why: Sequence[str]) -> None:
+        """A put no tier took: counted, and logged once per reason (never silent). The
+        reason is the most telling of the tiers' refusals."""
+        reason = next((r for r in ("io", "full", "too_large", "refused") if r in why), "refused")
+        self.metrics.chunks_dropped.labels(reason).inc()
+        if reason not in self._dropped_logged:
+            self._dropped_logged.add(reason)
+            caps = ", ".join(
+                f"{s.name} {s.tier.usage().capacity_bytes or 'unbounded'} B" for s in self.slots
+            )
+            log.warning(
+                "chunk %s (%d B) stored in no tier (%s; tiers: %s); counted in "
+                "tiered_cache_chunks_dropped_total{reason=%s}, logged once",
+                key, nbytes, reason, caps, reason,
+            )
 
     async def _write_tier_bg(self, slot: TierSlot, key: str, raw: bytes) -> None:
         await self._write_tier(slot, key, raw)
@@ -565,7 +592,7 @@ class TieredStore:
         async with self._locks[top.name]:
             try:
                 await self._make_room(top, nbytes)
-                return tier.reserve()
+                return tier.reserve(nbytes)
             except TierFull:
                 self.metrics.write_errors.labels(top.name, "full").inc()
                 return None

@@ -73,6 +73,12 @@ class Metrics:
         self.write_errors = Counter(
             p + "write_errors", "Writes that failed (full, I/O)", ["tier", "reason"], registry=r
         )
+        self.chunks_dropped = Counter(
+            p + "chunks_dropped",
+            "Chunks a put could store in no tier (reason: io, full, too_large, refused)",
+            ["reason"],
+            registry=r,
+        )
         self.read_errors = Counter(
             p + "read_errors", "Reads that failed (I/O)", ["tier"], registry=r
         )

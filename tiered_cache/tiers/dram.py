@@ -1,22 +1,29 @@
 """DRAM tier: a fixed-capacity shared-memory pool carved into fixed-size slots.
 
 The pool is allocated once (POSIX shared memory) and owned by the node agent; vLLM
-processes on the node attach it by name and copy KV in and out of slots directly, so a
+processes on the node attach it by name and copy KV in and out of it directly, so a
 prefill and a decode process on one node hand off without a disk round trip.
 
+A chunk occupies a *run* of consecutive slots (``ceil(size / slot_bytes)``), named by its
+first slot, so chunks of any model size fit without tuning: Llama-3-70B at TP 1 writes
+80 MiB chunks, a tiny test model 256 KiB ones. Free slots are kept as extents and a run
+is taken best-fit; with ``slot_bytes: auto`` (0, the default) the slot is the pool's
+capacity / 65536, at least 64 KiB, so a pool has at most 65,536 slots to track.
+
 Safety rules (no torn reads, no double frees):
-- a writer fills a *reserved* slot, and only ``commit`` makes it visible under a key;
-- readers in the agent take a lease (``acquire``) and ``release`` it after copying; a slot
-  deleted or replaced while leased becomes a zombie and returns to the free list on its
+- a writer fills a *reserved* run, and only ``commit`` makes it visible under a key;
+- readers in the agent take a lease (``acquire``) and ``release`` it after copying; a run
+  deleted or replaced while leased becomes a zombie and returns to the free extents on its
   last release;
 - clients read without a lease, through the shared index (``shm_index``): they find the
-  slot, copy, and keep the copy only if the slot's generation did not move meanwhile;
-- every slot begins with a self-describing chunk header, so after an agent crash the pool
+  run, copy, and keep the copy only if its generation did not move meanwhile;
+- every run begins with a self-describing chunk header, so after an agent crash the pool
   can be re-attached and its index rebuilt by scanning slots (``recover=True``).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
@@ -31,6 +38,17 @@ from tiered_cache.tiers.shm_index import SlotIndex
 log = logging.getLogger(__name__)
 
 _ALIGN = 4096
+AUTO_MIN_SLOT = 64 * 2**10
+AUTO_MAX_SLOTS = 65536
+
+
+def auto_slot_bytes(capacity_bytes: int) -> int:
+    """The slot size ``slot_bytes: auto`` picks: a power of two >= 64 KiB that cuts the
+    pool into at most 65,536 slots (bookkeeping stays small; a run wastes < 1 slot)."""
+    n = AUTO_MIN_SLOT
+    while capacity_bytes // n > AUTO_MAX_SLOTS:
+        n *= 2
+    return n
 _OWNED: set[str] = set()  # pools created by this process (their tracker entry must stay)
 
 
@@ -77,11 +95,56 @@ def maybe_pin_host_memory(buf: memoryview) -> bool:
 
 
 @dataclass
-class _Slot:
-    key: str | None = None
+class _Run:
+    pages: int  # slots it spans
+    key: str | None = None  # None while reserved
     length: int = 0
     leases: int = 0
     zombie: bool = False  # deleted/replaced while leased: free on last release
+
+
+class _Extents:
+    """Free slots as maximal extents, for best-fit allocation of runs: O(log n) to find
+    the smallest extent that fits, O(1) merges with both neighbours on free."""
+
+    def __init__(self) -> None:
+        self._start: dict[int, int] = {}  # first slot -> length
+        self._end: dict[int, int] = {}  # one past the last slot -> first slot
+        self._sizes: list[tuple[int, int]] = []  # (length, first slot), sorted
+        self.free = 0
+
+    def _remove(self, first: int) -> int:
+        n = self._start.pop(first)
+        del self._end[first + n]
+        self._sizes.pop(bisect.bisect_left(self._sizes, (n, first)))
+        self.free -= n
+        return n
+
+    def add(self, first: int, n: int) -> None:
+        if first in self._end:  # merge with the extent just below
+            below = self._end[first]
+            n += self._remove(below)
+            first = below
+        if first + n in self._start:  # ... and with the one just above
+            n += self._remove(first + n)
+        self._start[first] = n
+        self._end[first + n] = first
+        bisect.insort(self._sizes, (n, first))
+        self.free += n
+
+    def take(self, n: int) -> int | None:
+        i = bisect.bisect_left(self._sizes, (n, -1))
+        if i == len(self._sizes):
+            return None
+        length, first = self._sizes[i]
+        self._remove(first)
+        if length > n:
+            self.add(first + n, length - n)
+        return first
+
+    @property
+    def largest(self) -> int:
+        return self._sizes[-1][0] if self._sizes else 0
 
 
 class DRAMTier(Tier):
@@ -90,13 +153,13 @@ class DRAMTier(Tier):
     def __init__(
         self,
         capacity_bytes: int,
-        slot_bytes: int,
+        slot_bytes: int = 0,
         *,
         shm_name: str | None = None,
         recover: bool = False,
     ) -> None:
-        if slot_bytes <= codec.HEADER_SIZE:
-            raise ValueError(f"slot_bytes must exceed the {codec.HEADER_SIZE}-byte chunk header")
+        if slot_bytes == 0:
+            slot_bytes = auto_slot_bytes(capacity_bytes)
         slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
         n = capacity_bytes // slot_bytes
         if n < 1:
@@ -105,15 +168,16 @@ class DRAMTier(Tier):
             )
         self.slot_bytes = slot_bytes
         self.num_slots = n
-        self._shm, created = self._open_shm(shm_name, n * slot_bytes, recover)
+        self.pool_bytes = n * slot_bytes
+        self._shm, created = self._open_shm(shm_name, self.pool_bytes, recover)
         assert self._shm.buf is not None
-        self._buf = memoryview(self._shm.buf)[: n * slot_bytes]
+        self._buf = memoryview(self._shm.buf)[: self.pool_bytes]
         if created:
             prefault(self._buf, write=True)
         self.pinned_host = maybe_pin_host_memory(self._buf)
-        self._slots = [_Slot() for _ in range(n)]
+        self._runs: dict[int, _Run] = {}  # first slot -> run (committed, reserved, zombie)
         self._index: dict[str, int] = {}
-        self._free: list[int] = list(range(n - 1, -1, -1))
+        self._free = _Extents()
         self._used_bytes = 0
         # Published copy of the index, read by clients without asking the agent. Made
         # before _rebuild frees any slot: it retires a dead owner's index first.
@@ -128,6 +192,8 @@ class DRAMTier(Tier):
         _OWNED.add(self.shared_index.name)  # an attach in this process must not untrack it
         if recover and not created:
             self._rebuild()
+        else:
+            self._free.add(0, n)
 
     @staticmethod
     def _open_shm(
@@ -152,31 +218,43 @@ class DRAMTier(Tier):
         _OWNED.add(shm.name)
         return shm, True
 
+    def _pages(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.slot_bytes))
+
     def _rebuild(self) -> None:
         """Re-index complete, verified chunks left in the pool by a previous owner."""
-        self._free = []
-        for i in range(self.num_slots - 1, -1, -1):
-            mv = self.slot_view(i)
+        i = 0
+        free_from: int | None = None
+        while i < self.num_slots:
+            off = i * self.slot_bytes
+            mv = self._buf[off:]
             try:
                 meta, plen, _ = codec.parse_header(mv[: codec.HEADER_SIZE])
-                if codec.HEADER_SIZE + plen > self.slot_bytes:
-                    raise codec.ChunkCorrupt("length exceeds slot")
+                length = codec.HEADER_SIZE + plen
+                if length > mv.nbytes:
+                    raise codec.ChunkCorrupt("length exceeds the pool")
                 if not is_valid_key(meta.key):
                     raise codec.ChunkCorrupt("not a chunk key")
-                codec.decode(mv[: codec.HEADER_SIZE + plen])
+                if meta.key in self._index:  # a replaced copy: keep one
+                    raise codec.ChunkCorrupt("duplicate")
+                codec.decode(mv[:length])
             except codec.ChunkError:
                 mv[:4] = b"\0\0\0\0"
-                self._free.append(i)
+                if free_from is None:
+                    free_from = i
+                i += 1
                 continue
-            if meta.key in self._index:  # a replaced copy: keep one
-                mv[:4] = b"\0\0\0\0"
-                self._free.append(i)
-                continue
-            s = self._slots[i]
-            s.key, s.length = meta.key, codec.HEADER_SIZE + plen
+            if free_from is not None:
+                self._free.add(free_from, i - free_from)
+                free_from = None
+            pages = self._pages(length)
+            self._runs[i] = _Run(pages, meta.key, length)
             self._index[meta.key] = i
-            self._used_bytes += s.length
-            self.shared_index.publish(meta.key, i, s.length)
+            self._used_bytes += length
+            self.shared_index.publish(meta.key, i, length)
+            i += pages
+        if free_from is not None:
+            self._free.add(free_from, self.num_slots - free_from)
         log.info("recovered %d chunks from DRAM pool %s", len(self._index), self.shm_name)
 
     # -- shared-memory slot protocol (used in-process and by the agent for clients) --
@@ -186,27 +264,37 @@ class DRAMTier(Tier):
         return self._shm.name
 
     def slot_view(self, slot: int) -> memoryview:
+        """The bytes of the run that starts at ``slot`` (one slot if none does)."""
+        run = self._runs.get(slot)
         off = slot * self.slot_bytes
-        return self._buf[off : off + self.slot_bytes]
+        return self._buf[off : off + self.slot_bytes * (run.pages if run else 1)]
 
-    def reserve(self) -> int:
-        """Take a free slot for a writer; TierFull when none (the caller evicts first)."""
-        if not self._free:
-            raise TierFull("no free DRAM slot")
-        return self._free.pop()
+    def reserve(self, nbytes: int = 1) -> int:
+        """Take a free run for a writer of ``nbytes``; TierFull when no free extent is
+        long enough (the caller evicts first)."""
+        pages = self._pages(nbytes)
+        first = self._free.take(pages)
+        if first is None:
+            raise TierFull(f"no free DRAM run of {pages} slots")
+        self._runs[first] = _Run(pages)
+        return first
 
     def abort(self, slot: int) -> None:
         self._release_slot(slot)
 
     def commit(self, key: str, slot: int, length: int) -> None:
-        """Publish a filled slot under ``key``; the old copy is freed (or zombied)."""
-        if length > self.slot_bytes:
-            raise ValueError(f"chunk of {length} B exceeds slot size {self.slot_bytes} B")
+        """Publish a filled run under ``key``; the old copy is freed (or zombied)."""
+        run = self._runs.get(slot)
+        if run is None or run.key is not None:
+            raise ValueError(f"slot {slot} is not reserved")
+        if not 0 < length <= run.pages * self.slot_bytes:
+            raise ValueError(
+                f"chunk of {length} B does not fit its {run.pages * self.slot_bytes} B run"
+            )
         if not is_valid_key(key):  # before any state changes: a refused commit leaks nothing
             raise ValueError(f"invalid chunk key {key!r}")
         old = self._index.get(key)
-        s = self._slots[slot]
-        s.key, s.length, s.zombie = key, length, False
+        run.key, run.length, run.zombie = key, length, False
         self._index[key] = slot
         self._used_bytes += length
         self.shared_index.publish(key, slot, length)
@@ -214,40 +302,40 @@ class DRAMTier(Tier):
             self._drop(old)
 
     def acquire(self, key: str) -> tuple[int, int] | None:
-        """Lease the slot holding ``key``: (slot, length). Pair with ``release``."""
+        """Lease the run holding ``key``: (slot, length). Pair with ``release``."""
         slot = self._index.get(key)
         if slot is None:
             return None
-        s = self._slots[slot]
-        s.leases += 1
-        return slot, s.length
+        run = self._runs[slot]
+        run.leases += 1
+        return slot, run.length
 
     def is_leased(self, key: str) -> bool:
         slot = self._index.get(key)
-        return slot is not None and self._slots[slot].leases > 0
+        return slot is not None and self._runs[slot].leases > 0
 
     def release(self, slot: int) -> None:
-        s = self._slots[slot]
-        if s.leases <= 0:
+        run = self._runs.get(slot)
+        if run is None or run.leases <= 0:
             raise RuntimeError(f"release of unleased slot {slot}")
-        s.leases -= 1
-        if s.leases == 0 and s.zombie:
+        run.leases -= 1
+        if run.leases == 0 and run.zombie:
             self._release_slot(slot)
 
     def _drop(self, slot: int) -> None:
         self.shared_index.unpublish(slot)  # first: a lock-free reader must see it go
-        s = self._slots[slot]
-        self._used_bytes -= s.length
-        if s.leases:
-            s.zombie = True
+        run = self._runs[slot]
+        self._used_bytes -= run.length
+        if run.leases:
+            run.zombie = True
         else:
             self._release_slot(slot)
 
     def _release_slot(self, slot: int) -> None:
-        s = self._slots[slot]
-        s.key, s.length, s.zombie = None, 0, False
-        self.slot_view(slot)[:4] = b"\0\0\0\0"  # not a chunk any more, for crash recovery
-        self._free.append(slot)
+        run = self._runs.pop(slot)
+        off = slot * self.slot_bytes
+        self._buf[off : off + 4] = b"\0\0\0\0"  # not a chunk any more, for crash recovery
+        self._free.add(slot, run.pages)
 
     # -- Tier interface --
 
@@ -277,9 +365,11 @@ class DRAMTier(Tier):
 
     async def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         mv = memoryview(data).cast("B")
-        if mv.nbytes > self.slot_bytes:
-            raise TierFull(f"chunk of {mv.nbytes} B exceeds DRAM slot size {self.slot_bytes} B")
-        slot = self.reserve()
+        if not self.fits(mv.nbytes):
+            raise TierFull(
+                f"chunk of {mv.nbytes} B exceeds the DRAM pool ({self.pool_bytes} B)"
+            )
+        slot = self.reserve(mv.nbytes)
         try:
             self.slot_view(slot)[: mv.nbytes] = mv
         except BaseException:
@@ -295,25 +385,25 @@ class DRAMTier(Tier):
         return True
 
     def usage(self) -> TierUsage:
-        return TierUsage(self._used_bytes, self.num_slots * self.slot_bytes, len(self._index))
+        return TierUsage(self._used_bytes, self.pool_bytes, len(self._index))
 
     def entries(self) -> Iterator[tuple[str, int]]:
         for k, slot in list(self._index.items()):
-            yield k, self._slots[slot].length
+            yield k, self._runs[slot].length
 
     def size_of(self, key: str) -> int | None:
         slot = self._index.get(key)
-        return None if slot is None else self._slots[slot].length
+        return None if slot is None else self._runs[slot].length
 
     def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.slot_bytes
+        return 0 < nbytes <= self.pool_bytes
 
     def has_room(self, nbytes: int) -> bool:
-        return bool(self._free)
+        return self._free.largest >= self._pages(nbytes)
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self._free.free
 
     async def close(self, unlink: bool = True) -> None:
         self.shared_index.close(unlink)
