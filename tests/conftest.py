@@ -21,11 +21,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout: float = 10.0) -> None:
+def wait_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((host, port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
@@ -53,15 +53,18 @@ class RedisServer:
         self.proc = _spawn_redis(self.port, self.password)
 
 
-def _spawn_redis(port: int, password: str | None = None) -> subprocess.Popen[bytes]:
+def _spawn_redis(
+    port: int, password: str | None = None, bind: str = "127.0.0.1"
+) -> subprocess.Popen[bytes]:
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not installed (.ci/run installs it with apt)")
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        pytest.fail("redis-server is not installed (scripts/setup.sh installs it with apt)")
+    args = [exe, "--port", str(port), "--bind", bind, "--save", "", "--appendonly", "no",
+            "--protected-mode", "no"]  # fmt: skip
     if password:
         args += ["--requirepass", password]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_port(port)
+    wait_port(port, host=bind.split()[0])
     return proc
 
 
@@ -177,7 +180,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     Tests must use their own key namespace."""
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
-        pytest.fail("redis-server/redis-cli are not installed (.ci/run installs them with apt)")
+        pytest.fail("redis-server/redis-cli are not installed (scripts/setup.sh installs them with apt)")
     d = tmp_path_factory.mktemp("redis-cluster")
     ports = _cluster_ports(3)
     procs = []

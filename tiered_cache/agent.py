@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter as CounterT
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from tiered_cache.directory import (
 from tiered_cache.hierarchy import Hit, PinRefused, TieredStore, TierSlot
 from tiered_cache.ipc import IPCError, pack, read_msg
 from tiered_cache.metrics import Metrics
+from tiered_cache.netaddr import advertise_host
 from tiered_cache.pinfile import PinFileError, plan_pin_import, read_pin_file
 from tiered_cache.tiers.base import Tier
 from tiered_cache.tiers.dram import DRAMTier
@@ -140,6 +141,9 @@ class NodeAgent:
         # Read before any tier or socket exists: a pin file that cannot be used stops the
         # start-up with one error naming it.
         self._file_pins = self._read_pin_file()
+        # Likewise an address peers could not reach (a wildcard, or loopback with a shared
+        # directory).
+        self._advertise = advertise_host(cfg) if cfg.agent.peer_port is not None else ""
         self._pin_import_lock = asyncio.Lock()
         self._pin_import_retry = False  # the directory was unreachable: retry the import
         self._reload_task: asyncio.Task[bool] | None = None
@@ -190,8 +194,9 @@ class NodeAgent:
                 limit=PEER_STREAM_LIMIT,
             )
             self._servers.append(psrv)
-            sockname = psrv.sockets[0].getsockname()
-            self.peer_address = (sockname[0], int(sockname[1]))
+            # Publish where other nodes reach us, never the bind address (0.0.0.0 would
+            # send every peer to itself).
+            self.peer_address = (self._advertise, int(psrv.sockets[0].getsockname()[1]))
         if self.cfg.agent.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -803,15 +808,22 @@ class EmbeddedAgent:
 
 
 def spawn_agent(
-    cfg_path: str | os.PathLike[str], *args: str, timeout: float = 60.0, **popen: Any
+    cfg_path: str | os.PathLike[str],
+    *args: str,
+    timeout: float = 60.0,
+    prefix: Sequence[str] = (),
+    **popen: Any,
 ) -> subprocess.Popen[Any]:
     """``tiered-cache agent -c CFG ARGS`` as a child process (how a node runs it), returned
-    once its socket accepts. ``popen`` goes to ``subprocess.Popen`` (stdout, env, ...). If
-    the agent does not come up it is killed, and the error carries its output when piped."""
+    once its socket accepts. ``prefix`` runs it under another command (``ip netns exec
+    NS``: a node with its own address). ``popen`` goes to ``subprocess.Popen`` (stdout,
+    env, ...). If the agent does not come up it is killed, and the error carries its
+    output when piped."""
     socket_path = load_config(cfg_path).socket_path
     Path(socket_path).unlink(missing_ok=True)  # a killed agent leaves it behind
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg_path), *args], **popen
+        [*prefix, sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(cfg_path), *args],
+        **popen,
     )
     try:
         wait_for_socket(socket_path, timeout, alive=lambda: proc.poll() is None)

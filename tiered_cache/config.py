@@ -152,8 +152,12 @@ class S3Config(TierPolicy):
 
 class AgentConfig(_Strict):
     socket: str | None = None  # default: /tmp/tiered-cache-<node_id>.sock
-    peer_host: str = "127.0.0.1"
+    peer_host: str = "127.0.0.1"  # the address the peer port binds
     peer_port: int | None = Field(None, ge=0, le=65535)
+    # The address other nodes reach the peer port at, published in the directory. Default:
+    # ``peer_host``, unless that is a wildcard (0.0.0.0, ::): then the address of this
+    # node's interface towards the Redis directory (see ``tiered_cache.netaddr``).
+    advertise_host: str | None = None
     metrics_port: int | None = Field(None, ge=0, le=65535)
     auth_token: str | None = None
     usage_log_interval_s: float = Field(60.0, gt=0)
