@@ -5,6 +5,11 @@
 
 ``tiny`` (default): 2 layers, hidden 128, 4 heads / 2 KV heads, vocab 512, float32 (tests).
 ``bench``: 12 layers, hidden 1024, 16 heads / 4 KV heads, vocab 512, bfloat16 (TTFT runs).
+``wide``: 6 layers, hidden 256, 4 heads of 256 dims, all KV heads, float32: 48 KiB of KV
+a token, so a 256-token chunk is 12 MiB, the size class of real models (tests).
+``kvheavy``: 16 layers, hidden 256, 8 heads of 256 dims, all KV heads, bfloat16: 128 KiB
+of KV a token like Llama-3-8B (32 MiB a 256-token chunk) at a fraction of its compute
+(serving benchmark).
 
 Weights come from a fixed seed and the tokenizer is trained in-process on a built-in text,
 so the same arguments always give the same model. A marker file records the arguments:
@@ -45,6 +50,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         vocab_size=512,
         max_position_embeddings=4096,
+        dtype="bfloat16",
+    ),
+    "wide": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        dtype="float32",
+    ),
+    "kvheavy": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=512,
+        max_position_embeddings=8192,
         dtype="bfloat16",
     ),
 }
@@ -145,6 +172,7 @@ def build(out: Path, preset: str = "tiny", dtype: str | None = None, force: bool
         num_attention_heads=cfg["num_attention_heads"],
         num_key_value_heads=cfg["num_key_value_heads"],
         max_position_embeddings=cfg["max_position_embeddings"],
+        head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,

@@ -97,9 +97,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     why = unavailable_reason()
     if why is not None:
         pytest.skip(f"multi-node tests need network namespaces: {why}")
-    from moto.server import ThreadedMotoServer
-
     from conftest import _spawn_redis
+    from moto.server import ThreadedMotoServer
 
     tmp = tmp_path_factory.mktemp("netns")
     net = NetNodes(["prefill", "decode", "third"],
@@ -230,7 +229,7 @@ def test_unreachable_address_is_a_startup_error(
 
 
 def test_advertised_address_can_be_set(cluster: Cluster) -> None:
-    proc, sock = cluster.agent(
+    proc, _ = cluster.agent(
         "third", "decode-node.yaml",
         {"node_id": "decode-9", "agent": {"advertise_host": cluster.net.addr("third")}},
     )  # fmt: skip

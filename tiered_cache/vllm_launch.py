@@ -118,13 +118,16 @@ class VllmServer(LoggedProcess):
     max_num_seqs: int = 4
     proc: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
+    host: str = "127.0.0.1"  # the address it binds and is reached at
+    prefix: Sequence[str] = ()  # runs it under another command (``ip netns exec NS``)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [
+            *self.prefix,
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -133,7 +136,7 @@ class VllmServer(LoggedProcess):
             "--served-model-name",
             self.served_name,
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--dtype",

@@ -34,24 +34,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> str:
-    """The tiny float32 Llama, built once by scripts/make_tiny_model.py and cached
-    (``TC_TINY_MODEL_DIR`` overrides where)."""
-    out = Path(
-        os.environ.get("TC_TINY_MODEL_DIR")
-        or Path(tempfile.gettempdir()) / "tiered-cache-models" / "tiny-float32"
-    )
+def _model(preset: str, out: Path) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(out),
-         "--preset", "tiny", "--dtype", "float32"],
+         "--preset", preset, "--dtype", "float32"],
         check=True,
         env=env,
         stdout=subprocess.DEVNULL,
         timeout=300,
     )
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """The tiny float32 Llama, built once by scripts/make_tiny_model.py and cached
+    (``TC_TINY_MODEL_DIR`` overrides where)."""
+    return _model("tiny", Path(
+        os.environ.get("TC_TINY_MODEL_DIR")
+        or Path(tempfile.gettempdir()) / "tiered-cache-models" / "tiny-float32"
+    ))
+
+
+@pytest.fixture(scope="session")
+def wide_model() -> str:
+    """A float32 Llama with 48 KiB of KV a token: a 256-token chunk is 12 MiB."""
+    return _model("wide", Path(tempfile.gettempdir()) / "tiered-cache-models" / "wide-float32")
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +131,7 @@ class AgentProc:
         self.cfg_path = root / f"{name}.yaml"
         self.log_path = root / f"agent-{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.prefix: list[str] = []  # e.g. ``ip netns exec NS``: the agent's node
         import yaml
 
         self.cfg_path.write_text(yaml.safe_dump(cfg))
@@ -142,7 +152,7 @@ class AgentProc:
             try:
                 self.proc = spawn_agent(
                     self.cfg_path, timeout=timeout, cwd=str(REPO), env=env, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True,
+                    stderr=subprocess.STDOUT, start_new_session=True, prefix=self.prefix,
                 )
             except TimeoutError:
                 raise AssertionError(
