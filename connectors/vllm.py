@@ -18,14 +18,24 @@ last token; ``kv_both`` does both (offload and reuse its own prefixes).
 ``save_unfull_chunk`` (the cache config's, true)
     a producer also saves a prompt's last, partial chunk.
 ``load_wait_timeout_s`` (5.0)
-    how long a consumer waits for a prefill's chunks to land before it recomputes.
+    the most a consumer waits for chunks on their way (its prefill's, or a copy into
+    DRAM); the actual bound is what recomputing the waited-for tokens costs this engine.
+``fetch_policy`` ("auto")
+    ``auto``: load the prefix of the found chunks whose load is expected to beat this
+    engine's measured recompute (``connectors.vllm_plan``); ``always``: every found chunk.
+``agent_timeout_s`` (10)
+    how long a call may wait for the node agent; an agent that does not answer counts as
+    down (the connector serves without the cache and retries with backoff).
 ``wait_for_prefill`` ("auto")
-    ``auto``: wait when the role is ``kv_consumer`` or the request's ``kv_transfer_params``
-    say a remote prefill ran; ``true``/``false``: always/never.
+    ``auto``: wait for exactly the chunks the request's ``kv_transfer_params`` say its
+    prefill saved (the router passes them on; none when it skipped the prefill);
+    ``true``: without such a list, wait for every chunk; ``false``: never wait.
 ``async_load`` ("auto")
-    true: load between scheduler steps (the request waits in ``WAITING_FOR_REMOTE_KVS``);
-    false: load synchronously before the forward pass; auto: synchronously when every
-    chunk is in this node's DRAM or NVMe, asynchronously when a peer or S3 serves any.
+    auto: chunks in this node's DRAM or NVMe load synchronously before the forward pass;
+    chunks on a peer or in S3 are first copied into this node's DRAM by its agent while
+    the request waits in the queue, then load synchronously too (without a DRAM tier
+    they load between steps); true: every load between scheduler steps (the request
+    waits in ``WAITING_FOR_REMOTE_KVS``); false: every load synchronously.
 ``layerwise_save`` (true)
     with a node agent, copy each layer's blocks into reserved DRAM slots as vLLM reports
     the layer done, overlapping the rest of the forward pass; false copies every layer at
@@ -59,13 +69,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.logger import init_logger
 
@@ -85,8 +96,10 @@ from connectors.vllm_metrics import (
     TieredCachePromMetrics,
     farthest,
 )
+from connectors.vllm_plan import RecomputeRate, choose_prefix, wait_budget_s
 from tiered_cache import keys as tc_keys
 from tiered_cache.api import ChunkStore
+from tiered_cache.breaker import Breaker
 from tiered_cache.client import SlotReservation
 from tiered_cache.codec import ChunkMeta
 
@@ -114,6 +127,7 @@ if TYPE_CHECKING:
 # Under the "vllm" logger so vLLM's handler and level apply.
 logger = init_logger("vllm.connectors.tiered_cache")
 
+T = TypeVar("T")
 _SOURCE_TO_HIT = {"dram": "HOST", "nvme": "DISK", "peer": "P2P", "s3": "EXTERNAL_UNSPECIFIED"}
 
 
@@ -145,6 +159,7 @@ class LoadChunk:
     block_ids: list[int]
     source: str = ""  # where the scheduler's lookup found it
     tokens: int = 0  # prompt tokens this load provides to the request
+    origin: str = ""  # where it came from, when prefetched into DRAM for this load
 
 
 @dataclass
@@ -164,6 +179,25 @@ class TieredCacheConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveChunk] = field(default_factory=list)
     # Tensor parallelism > 1: prompt tokens and salt of the requests in ``saves``.
     save_tokens: dict[str, tuple[list[int], str | None]] = field(default_factory=dict)
+    step_tokens: int = 0  # tokens this step computes: the worker times the forward
+
+
+@dataclass
+class TieredCacheWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: (tokens, forward seconds) of the engine's recent steps, from
+    which the scheduler learns what recomputing a prompt costs (``RecomputeRate``)."""
+
+    steps: list[tuple[int, float]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # Tensor-parallel ranks run the same steps: the slowest rank sets each one's time.
+        if not isinstance(other, TieredCacheWorkerMeta) or not other.steps:
+            return self
+        if len(other.steps) != len(self.steps):
+            return self if self.steps else other
+        return TieredCacheWorkerMeta(
+            [(t, max(a, b)) for (t, a), (_, b) in zip(self.steps, other.steps, strict=True)]
+        )
 
 
 # ----------------------------------------------------------------------- scheduler state
@@ -171,10 +205,31 @@ class TieredCacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class _Match:
-    at: float
+    """What ``get_num_new_matched_tokens`` told vLLM, for ``update_state_after_alloc``."""
+
     num_computed: int
-    sources: list[str]
+    sources: list[str]  # where each chunk is loaded from (its prefix up to the last loaded)
+    origins: list[str]  # where each chunk came from (a prefetched peer chunk: "peer")
     hit_end: int
+    is_async: bool  # decided once, from the chunks that will be loaded
+
+
+@dataclass
+class _Wait:
+    """A request the connector may answer "ask again" for (scheduler side)."""
+
+    t0: float  # when the request arrived
+    keys: list[str]  # its loadable chunks' keys
+    coming: int  # leading chunks the prefill said it saved
+    sources: list[str] = field(default_factory=list)
+    costs: list[float] = field(default_factory=list)
+    looked_at: float = -1.0
+    gave_up: bool = False  # stopped waiting for the prefill's chunks
+    decided: str = ""  # fetch-or-recompute decision, counted once
+    fetch_t0: float | None = None  # prefetch of remote chunks into DRAM started
+    fetch_budget: float = 0.0
+    origin: dict[int, str] = field(default_factory=dict)  # chunk -> remote source seen
+    requested: set[int] = field(default_factory=set)  # chunks asked to be prefetched
 
 
 @dataclass
@@ -189,6 +244,7 @@ class _StepSave:
     layers: set[int] = field(default_factory=set)  # layers whose copy was submitted
     copies: list[Future[None]] = field(default_factory=list)
     t0: float = 0.0
+    skipped: bool = False  # the agent is down: this step saves nothing
 
 
 @dataclass
@@ -317,16 +373,23 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._save_enabled = bool(ktc.is_kv_producer)
         self._load_enabled = bool(ktc.is_kv_consumer)
         self._role_name = str(ktc.kv_role)
-        # "auto": load synchronously (inside the forward pass) when every chunk is in this
-        # node's DRAM or NVMe, which costs milliseconds, and asynchronously otherwise, so a
-        # slow peer or S3 pull never stalls other requests' steps. An async load costs at
-        # least one extra engine step before the request can run.
+        # "auto": chunks in this node's DRAM or NVMe load synchronously inside the forward
+        # pass (milliseconds). Chunks on a peer or in S3 are first copied into this node's
+        # DRAM by the agent while the request waits in the queue (holding no KV blocks),
+        # then load synchronously too: no worker thread competes with the engine's busy
+        # loop for the GIL. Without a DRAM tier they load asynchronously.
         mode = str(self._extra.get("async_load", "auto")).strip().lower()
         if mode not in ("auto", "1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ValueError(f"async_load must be auto, true or false, got {mode!r}")
         self._async_mode = mode if mode == "auto" else str(_as_bool(mode)).lower()
         self._async_load = self._async_mode != "false"
+        # The cap on any wait (for a prefill's chunks, for a prefetch); the actual bound is
+        # what recomputing the waited-for tokens costs (connectors.vllm_plan).
         self._wait_timeout = float(self._extra.get("load_wait_timeout_s", 5.0))
+        self._agent_timeout = float(self._extra.get("agent_timeout_s", 10.0))
+        self._fetch_policy = str(self._extra.get("fetch_policy", "auto")).strip().lower()
+        if self._fetch_policy not in ("auto", "always"):
+            raise ValueError(f"fetch_policy must be auto or always, got {self._fetch_policy!r}")
         self._poll_s = float(self._extra.get("lookup_poll_s", 0.02))
         self._wait_mode = str(self._extra.get("wait_for_prefill", "auto")).lower()
         self._load_batch = max(1, int(self._extra.get("load_batch_chunks", 16)))
@@ -346,10 +409,18 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._store: ChunkStore | None = None
         self._store_lock = threading.Lock()
         self._stats = StatsRecorder()
+        # An agent that is down costs a request nothing: calls are skipped (a miss, a
+        # skipped save) until a backed-off retry; one log line per outage.
+        self._guard = Breaker(f"tiered cache agent ({role.name.lower()})", logger)
+        self._probe: threading.Thread | None = None
+        self._probe_lock = threading.Lock()
 
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._matches: dict[str, _Match] = {}
+        self._waits: dict[str, _Wait] = {}
+        self._rate = RecomputeRate()  # this engine's prompt-token cost, from its steps
+        self._chunk_bytes = _chunk_bytes(kv_cache_config, self._extra)
         self._first_seen: dict[str, float] = {}
         self._hit_sources: dict[str, dict[str, int]] = {}
         self._pending_loads: list[LoadJob] = []
@@ -371,6 +442,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._save_stream: Any = None
         self._inflight: dict[str, Future[set[int]]] = {}
         self._load_errors: set[int] = set()
+        self._step_t0: float | None = None  # forward timing for the scheduler's rate
+        self._step_tokens = 0
+        self._sync_load_s = 0.0
+        self._steps: list[tuple[int, float]] = []
 
         logger.info(
             "TieredCacheConnector %s role=%s chunk_size=%d block_size=%d layout=%s dtype=%s "
@@ -396,7 +471,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
                     "--kv-transfer-config to have vLLM recompute it instead.",
                     policy,
                 )
-            self._open_store()  # fail at startup, not on the first request
+            # A config that cannot work fails at startup; an agent that is not up yet
+            # leaves the connector serving without the cache until it is.
+            self._guarded("connect", lambda st: None, None)
 
     # ------------------------------------------------------------------ shared helpers
 
@@ -405,9 +482,56 @@ class TieredCacheConnector(KVConnectorBase_V1):
             if self._store is None:
                 from tiered_cache.client import open_store
 
-                self._store = open_store(self._extra)
+                self._store = open_store({"agent_timeout_s": self._agent_timeout, **self._extra})
                 self._register_fingerprint(self._store)
             return self._store
+
+    def _cache_up(self) -> bool:
+        """Whether to use the cache for this call. While the agent is down: no; once per
+        backoff a probe runs on a helper thread, so no request waits for it."""
+        g = self._guard
+        if not g.down:
+            return g.allow()
+        if g.allow():
+            with self._probe_lock:
+                if self._probe is None or not self._probe.is_alive():
+                    self._probe = threading.Thread(
+                        target=self._probe_agent, name="tc-probe", daemon=True
+                    )
+                    self._probe.start()
+        return False
+
+    def _probe_agent(self) -> None:
+        try:
+            st = self._open_store()
+            ping = getattr(st, "ping", None)
+            if callable(ping):
+                ping()
+        except OSError as e:
+            self._guard.failed(e)
+            return
+        except Exception as e:  # it answered: up, if unhappy
+            logger.debug("tiered cache probe: %r", e)
+        self._guard.ok()
+
+    def _guarded(self, op: str, fn: Callable[[ChunkStore], T], default: T) -> T:
+        """``fn(store)``, or ``default`` at once while the agent is down. An unreachable
+        or unresponsive agent opens the breaker (one log line per outage); an error the
+        agent answered with is counted and logged once by kind."""
+        if not self._cache_up():
+            return default
+        try:
+            out = fn(self._open_store())
+        except OSError as e:  # unreachable, reset, timed out (ConnectionLost is one)
+            self._stats.inc("store_errors", op)
+            self._guard.failed(e)
+            return default
+        except Exception as e:
+            self._stats.inc("store_errors", op)
+            self._log_once(f"{op}:{type(e).__name__}", "tiered cache %s failed: %r", op, e)
+            return default
+        self._guard.ok()
+        return out
 
     def _register_fingerprint(self, store: ChunkStore) -> None:
         """Tell the node agent (and through it the directory) which fingerprint this
@@ -461,84 +585,165 @@ class TieredCacheConnector(KVConnectorBase_V1):
         if self._load_enabled:
             self._first_seen.setdefault(request.request_id, time.monotonic())
 
-    def _wait_target(self, request: Request, n_need: int) -> int:
-        """How many chunks to wait for before recomputing (0: do not wait)."""
+    def _coming(self, request: Request, keys: Sequence[str]) -> int:
+        """How many leading chunks of ``keys`` are on their way: the ones the prefill said
+        it saved (its ``kv_transfer_params``, passed on by the router). None are when the
+        router skipped the prefill, and none without a hint unless ``wait_for_prefill``
+        is ``true``."""
         if self._wait_timeout <= 0 or self._wait_mode in ("false", "0", "no", "never"):
             return 0
         params = getattr(request, "kv_transfer_params", None) or {}
         hint = params.get("tiered_cache") if isinstance(params, Mapping) else None
-        if isinstance(hint, Mapping) and "chunks" in hint:
-            return min(n_need, int(hint["chunks"]))
-        if self._wait_mode in ("true", "1", "yes", "always"):
-            return n_need
-        if isinstance(params, Mapping) and params.get("do_remote_prefill"):
-            return n_need
-        return n_need if self._role_name == "kv_consumer" else 0
+        if isinstance(hint, Mapping) and isinstance(hint.get("keys"), list):
+            saved = set(hint["keys"])
+            n = 0
+            while n < len(keys) and keys[n] in saved:
+                n += 1
+            return n
+        return len(keys) if self._wait_mode in ("true", "1", "yes", "always") else 0
 
     def _lookup(self, keys: Sequence[str]) -> list[str]:
         if not keys:
             return []
-        try:
-            return list(self._open_store().lookup(keys))
-        except Exception as e:  # a broken store is a miss, never a crash
-            self._stats.inc("store_errors", "lookup")
-            self._log_once(f"lookup:{type(e).__name__}", "tiered cache lookup failed: %r", e)
-            return []
+        return self._guarded("lookup", lambda st: list(st.lookup(keys)), [])
+
+    def _lookup_priced(self, keys: Sequence[str]) -> tuple[list[str], list[float]]:
+        def priced(st: ChunkStore) -> tuple[list[str], list[float]]:
+            fn = getattr(st, "lookup_priced", None)  # an AgentClient; any store: unpriced
+            if fn is None:
+                found = list(st.lookup(keys))
+                return found, [0.0] * len(found)
+            found, costs = fn(keys, self._chunk_bytes)
+            return list(found), list(costs)
+
+        none: tuple[list[str], list[float]] = ([], [])
+        return self._guarded("lookup", priced, none)
+
+    def _in_dram(self, keys: Sequence[str]) -> list[bool]:
+        """DRAM presence through the shared index (no round trip); the agent otherwise."""
+        st = self._store
+        direct = st.in_dram(keys) if st is not None and hasattr(st, "in_dram") else None
+        if direct is not None:
+            return list(direct)
+        found = self._lookup(keys)
+        return [i < len(found) and found[i] == "dram" for i in range(len(keys))]
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Leading chunks to load, decided once the ones on their way have landed (or
+        their wait ran out) and remote ones have been copied into this node's DRAM.
+        ``None`` asks vLLM to ask again: the request waits in the queue holding no KV
+        blocks. No side effects on vLLM; the connector keeps its own per-request state."""
         if not self._load_enabled or not self._cacheable(request):
             return 0, False
         rid = request.request_id
         prompt = request.prompt_token_ids or []
         n = len(prompt)
         spans = loadable_spans(n, self._chunk_size, self._block_size)
-        if not spans:
+        if not spans or rid in self._no_reload:
             return 0, False
-        if rid in self._no_reload:
-            return 0, False  # its load failed once: recompute, do not loop on bad chunks
+        first = next((s.index for s in spans if s.end > num_computed_tokens), len(spans))
         now = time.monotonic()
-        prev = self._matches.get(rid)
-        if prev is not None and prev.num_computed == num_computed_tokens and (
-            now - prev.at < self._poll_s
-        ):
-            at, sources = prev.at, prev.sources  # re-asked within the poll interval
-        else:
+        w = self._waits.get(rid)
+        if w is None:
             keys = self._req_keys(prompt, self._salt(request))[: len(spans)]
-            at, sources = now, self._lookup(keys)[: len(spans)]
+            coming = 0 if rid in self._planned else self._coming(request, keys)
+            w = self._waits[rid] = _Wait(self._first_seen.setdefault(rid, now), keys, coming)
+        if self._guard.down:
+            self._cache_up()  # maybe probe, off this request's path
+            self._count_once(rid, "unavailable")
+            return 0, False  # the cache is down: recompute, never wait for it
+        if w.looked_at < 0 or now - w.looked_at >= self._poll_s:
+            w.sources, w.costs = self._lookup_priced(w.keys)
+            w.looked_at = now
+            for i, src in enumerate(w.sources):  # a prefetched chunk counts where it came from
+                if src not in _LOCAL_SOURCES:
+                    w.origin.setdefault(i, src)
+            if self._guard.down:  # it just went down
+                self._count_once(rid, "unavailable")
+                return 0, False
+        sources, costs = w.sources, w.costs
         hit = len(sources)
-        # Wait for a prefill only on the first attempt (not after a failed or preempted load).
-        target = 0 if rid in self._planned else self._wait_target(request, len(spans))
-        if hit < target:
-            t0 = self._first_seen.setdefault(rid, now)
-            if now - t0 < self._wait_timeout:
-                self._matches[rid] = _Match(at, num_computed_tokens, sources, 0)
+
+        # 1. Chunks the prefill saved that are not visible yet: wait, at most what
+        #    recomputing them costs.
+        if hit < w.coming and not w.gave_up:
+            waited = sum(s.num_tokens for s in spans[hit : w.coming])
+            if now - w.t0 < wait_budget_s(self._wait_timeout, self._rate.cost_s(waited)):
                 return None, False
-            if f"waited:{rid}" not in self._logged:
-                self._stats.inc("recompute_fallbacks", "deadline")
-            self._log_once(
-                f"waited:{rid}",
-                "req %s: waited %.1fs for its prefill; %d/%d chunks present, recomputing the rest",
-                rid,
-                now - t0,
-                hit,
-                target,
-            )
-        hit_end = min(spans[hit - 1].end, n - 1) if hit else 0
-        self._matches[rid] = _Match(at, num_computed_tokens, sources, hit_end)
+            w.gave_up = True
+            self._count_once(rid, "deadline")
+            logger.info(
+                "req %s: %d of the %d chunks its prefill saved did not arrive within %.0f ms; "
+                "recomputing from chunk %d", rid, w.coming - hit, w.coming,
+                (now - w.t0) * 1e3, hit,
+            )  # fmt: skip
+
+        # 2. Fetch or recompute: the prefix whose load saves the most time.
+        toks = [0 if i < first else s.end - max(s.start, num_computed_tokens)
+                for i, s in enumerate(spans[:hit])]  # fmt: skip
+        spt = self._rate.seconds_per_token() if self._fetch_policy == "auto" else None
+        choice = choose_prefix(toks, costs, first, spt)
+        k = choice.chunks
+        if not w.decided and hit > first:  # counted once, when there was a choice
+            w.decided = choice.decision
+            self._stats.inc("fetch_decisions", choice.decision)
+
+        # 3. Remote chunks of that prefix: copied into DRAM by the agent meanwhile.
+        remote = [i for i in range(first, k) if sources[i] not in _LOCAL_SOURCES]
+        if remote and self._prefetch_remote():
+            ask = [w.keys[i] for i in remote if i not in w.requested]
+            if ask:
+                if w.fetch_t0 is None:
+                    w.fetch_t0 = now
+                    w.fetch_budget = wait_budget_s(
+                        self._wait_timeout,
+                        self._rate.cost_s(sum(toks[i] for i in remote)),
+                        sum(costs[i] for i in remote),
+                    )
+                w.requested.update(remote)
+                self._guarded("prefetch", lambda st: st.prefetch(ask, self._fp.digest), 0)  # type: ignore[attr-defined]
+            here = self._in_dram([w.keys[i] for i in remote])
+            for i, arrived in zip(remote, here, strict=True):
+                if arrived:
+                    sources[i] = "dram"
+            late = [i for i in remote if sources[i] not in _LOCAL_SOURCES]
+            if late:
+                assert w.fetch_t0 is not None
+                if now - w.fetch_t0 < w.fetch_budget:
+                    return None, False
+                k = late[0]  # load what arrived, recompute the rest
+                self._count_once(rid, "fetch_deadline")
+                logger.info(
+                    "req %s: %d remote chunks did not arrive in DRAM within %.0f ms; "
+                    "recomputing from chunk %d", rid, len(late), w.fetch_budget * 1e3, k,
+                )  # fmt: skip
+        hit_end = min(spans[k - 1].end, n - 1) if k else 0
         ext = hit_end - num_computed_tokens
         if rid not in self._looked_up:  # once per request, not per poll or preemption
             self._looked_up.add(rid)
             self._stats.inc("lookups", "hit" if ext > 0 else "miss")
         if ext <= 0:
             return 0, False
-        return ext, self._load_is_async(sources)
+        loaded = sources[first:k]
+        is_async = self._async_mode == "true" or (
+            self._async_mode == "auto" and any(src not in _LOCAL_SOURCES for src in loaded)
+        )
+        origins = [w.origin.get(i, sources[i]) for i in range(k)]
+        self._matches[rid] = _Match(num_computed_tokens, sources[:k], origins, hit_end, is_async)
+        return ext, is_async
 
-    def _load_is_async(self, sources: Sequence[str]) -> bool:
-        if self._async_mode == "auto":
-            return any(s not in _LOCAL_SOURCES for s in sources)
-        return self._async_load
+    def _prefetch_remote(self) -> bool:
+        """Remote chunks go through this node's DRAM (see ``async_load``)."""
+        st = self._store
+        return self._async_mode == "auto" and "dram" in (getattr(st, "tiers", None) or ())
+
+    def _count_once(self, rid: str, reason: str) -> None:
+        tag = f"fallback:{reason}:{rid}"
+        if tag not in self._logged:
+            self._logged.add(tag)
+            self._stats.inc("recompute_fallbacks", reason)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -560,10 +765,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
             self._reqs[rid] = st
             if self._save_enabled:
                 # Chunks already in the cache need no second copy.
-                present = len(self._lookup(st.keys))
-                st.next_save = present
+                st.next_save = len(self._lookup(st.keys))
         if st is None:
             return
+        self._waits.pop(rid, None)  # scheduled: a preemption starts over (no waiting)
         block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         if block_ids:
             st.block_ids = block_ids
@@ -580,7 +785,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         by_source: dict[str, int] = {}
         for r in ranges:
             s = r.span
-            src = m.sources[s.index]
+            src, origin = m.sources[s.index], m.origins[s.index]
             ntok = max(0, min(s.end, end) - max(s.start, start))
             chunks.append(
                 LoadChunk(
@@ -592,9 +797,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
                     block_ids=st.block_ids[r.lo : r.hi],
                     source=src,
                     tokens=ntok,
+                    origin=origin if origin != src else "",
                 )
             )
-            by_source[src] = by_source.get(src, 0) + ntok
+            by_source[origin] = by_source.get(origin, 0) + ntok
         if ranges and len(st.block_ids) < ranges[-1].hi:
             # Cannot happen (vLLM allocates blocks for every token it schedules); a load
             # into missing blocks could not report its failure, so refuse loudly.
@@ -605,7 +811,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._hit_sources[rid] = by_source
         self._planned[rid] = {b for c in chunks for b in c.block_ids}
         st.next_save = max(st.next_save, max((c.index + 1 for c in chunks), default=0))
-        is_async = self._load_is_async([c.source for c in chunks])
+        # Sync or async as get_num_new_matched_tokens told vLLM: a job vLLM waits for in
+        # WAITING_FOR_REMOTE_KVS must be reported by get_finished, so it must run async.
+        is_async = m.is_async
         job = LoadJob(
             rid,
             chunks,
@@ -623,7 +831,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
             len(st.prompt),
             "async" if is_async else "sync",
             len(chunks),
-            ",".join(c.source for c in chunks),
+            ",".join(f"{c.origin}->{c.source}" if c.origin else c.source for c in chunks),
         )
 
     def get_external_cache_hit_sources(
@@ -641,6 +849,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
         return {k: v for k, v in out.items() if v}
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, TieredCacheWorkerMeta):
+            for tokens, seconds in wm.steps:
+                self._rate.observe(tokens, seconds)
         bad = getattr(connector_output, "invalid_block_ids", None)
         if not bad or not self._planned:
             return
@@ -649,7 +861,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 self._no_reload.add(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = TieredCacheConnectorMetadata(loads=self._pending_loads)
+        meta = TieredCacheConnectorMetadata(
+            loads=self._pending_loads, step_tokens=scheduler_output.total_num_scheduled_tokens
+        )
         self._pending_loads = []
         if not self._save_enabled or not self._reqs:
             return meta
@@ -708,22 +922,26 @@ class TieredCacheConnector(KVConnectorBase_V1):
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._matches.pop(rid, None)
+        self._waits.pop(rid, None)
         self._first_seen.pop(rid, None)
         self._hit_sources.pop(rid, None)
         self._planned.pop(rid, None)
         self._no_reload.discard(rid)
         self._looked_up.discard(rid)
-        self._logged.discard(f"waited:{rid}")
+        for reason in ("unavailable", "deadline", "fetch_deadline"):
+            self._logged.discard(f"fallback:{reason}:{rid}")
         params: dict[str, Any] | None = None
         if self._save_enabled and st is not None:
-            # Tells a proxy (and the decode node, if it forwards these) how many chunks
-            # this prefill put in the cache.
+            # Tells a proxy, and through it the decode node, exactly which chunks this
+            # prefill put in the cache: the decode waits for those and no others. None
+            # while the agent is down (the saves were skipped).
+            saved = 0 if self._guard.down else st.next_save
             params = {
                 "tiered_cache": {
-                    "chunks": st.next_save,
+                    "chunks": saved,
                     "prompt_tokens": len(st.prompt),
                     "chunk_size": self._chunk_size,
-                    "keys": st.keys[: st.next_save],
+                    "keys": st.keys[:saved],
                 },
                 # For a cache-aware router: the fingerprint the chunk keys chain from, and
                 # the node whose cache holds them.
@@ -778,12 +996,28 @@ class TieredCacheConnector(KVConnectorBase_V1):
 
     # -- loading
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # The forward pass runs from here to wait_for_save: timed for the scheduler's
+        # recompute-cost estimate (sync loads inside it are subtracted).
+        tokens = getattr(connector_metadata, "step_tokens", 0)
+        self._step_t0 = time.perf_counter() if tokens else None
+        self._step_tokens = int(tokens)
+        self._sync_load_s = 0.0
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._steps:
+            return None
+        steps, self._steps = self._steps, []
+        return TieredCacheWorkerMeta(steps)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.loads:
             return
+        t0 = time.perf_counter()
         for job in meta.loads:
             if job.is_async:
                 if self._loader is None:
@@ -791,16 +1025,31 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 self._inflight[job.req_id] = self._loader.submit(self._run_load, job)
             else:
                 self._load_errors |= self._run_load(job)
+        self._sync_load_s += time.perf_counter() - t0
 
     def _run_load(self, job: LoadJob) -> set[int]:
-        """Load one request's chunks. Returns the block ids that were not loaded."""
+        """Load one request's chunks. Returns the block ids that were not loaded (all of
+        them at once while the agent is down: vLLM recomputes them)."""
+        every = {b for c in job.chunks for b in c.block_ids}
+        if not self._cache_up():
+            self._stats.inc("recompute_fallbacks", "unavailable")
+            return every
         try:
-            return self._load_job(job)
+            failed = self._load_job(job)
+        except OSError as e:  # the agent went away mid-load
+            self._guard.failed(e)
+            self._stats.inc("store_errors", "load")
+            self._stats.inc("recompute_fallbacks", "unavailable")
+            return every
         except Exception as e:
-            logger.exception("req %s: tiered cache load failed: %r", job.req_id, e)
+            self._log_once(f"load:{type(e).__name__}", "req %s: tiered cache load failed: %r",
+                           job.req_id, e)  # fmt: skip
+            logger.debug("load failure", exc_info=True)
             self._stats.inc("store_errors", "load")
             self._stats.inc("recompute_fallbacks", "load_error")
-            return {b for c in job.chunks for b in c.block_ids}
+            return every
+        self._guard.ok()
+        return failed
 
     def _check_meta(self, meta: ChunkMeta, c: LoadChunk, kv: PagedKV) -> str | None:
         want_shape = kv.payload_shape(c.n_blocks)
@@ -868,7 +1117,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
             ok, sources, refused = _fetch(store, keys[b0 : b0 + self._load_batch], digest, sink)
             for i, c in enumerate(chunks):
                 if ok[i] and i not in reasons:
-                    tier = sources[i] or c.source or "unknown"
+                    tier = c.origin or sources[i] or c.source or "unknown"
                     served.append(tier)
                     self._stats.inc("loaded_chunks", tier)
                     self._stats.inc("loaded_bytes", tier, nbytes.get(i, 0))
@@ -951,8 +1200,15 @@ class TieredCacheConnector(KVConnectorBase_V1):
             return
         st = self._step_save
         if st is None:
+            if not self._cache_up():
+                self._step_save = _StepSave([], None, [], [], skipped=True)
+                return
             try:
                 st = self._step_save = self._begin_save(meta)
+            except OSError as e:  # the agent is unreachable: no saves this step
+                self._guard.failed(e)
+                self._step_save = _StepSave([], None, [], [], skipped=True)
+                return
             except Exception as e:  # wait_for_save retries the whole save
                 self._log_once(f"begin:{type(e).__name__}", "layer-wise save off: %r", e)
                 self._step_save = _StepSave([], None, [], [])
@@ -997,11 +1253,20 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 kv.gather_layer(li, idx, dst[li])
 
     def wait_for_save(self) -> None:
+        if self._step_t0 is not None:  # the forward pass just ended
+            dt = time.perf_counter() - self._step_t0 - self._sync_load_s
+            if dt > 0 and self._tp_rank == 0:
+                self._steps.append((self._step_tokens, dt))
+                del self._steps[:-64]  # a scheduler that never collects must not grow us
+            self._step_t0 = None
         st, self._step_save = self._step_save, None
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
+            return
+        if (st is not None and st.skipped) or (st is None and not self._cache_up()):
+            self._stats.inc("saves_skipped", "", len(meta.saves))
             return
         try:
             if st is None or st.res is None:
@@ -1021,9 +1286,16 @@ class TieredCacheConnector(KVConnectorBase_V1):
                     logger.debug("zero-copy save failure", exc_info=True)
                     st.res = None
             self._save_staged(st)
+        except OSError as e:  # the agent went away: later steps skip saving until it is back
+            self._guard.failed(e)
+            self._stats.inc("store_errors", "save")
+            self._stats.inc("saves_skipped", "", len(meta.saves))
         except Exception as e:  # a failed save is a future miss, not an engine crash
             self._stats.inc("store_errors", "save")
-            logger.exception("tiered cache save failed: %r", e)
+            self._log_once(f"save:{type(e).__name__}", "tiered cache save failed: %r", e)
+            logger.debug("save failure", exc_info=True)
+        else:
+            self._guard.ok()
 
     def _begin_save(self, meta: TieredCacheConnectorMetadata) -> _StepSave:
         """The step's chunks to save (deduplicated), with DRAM slots reserved for them when
@@ -1083,6 +1355,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
         def commit() -> None:
             try:
                 store.commit_payloads(res, metas, parents)  # type: ignore[attr-defined]
+            except OSError as e:  # the agent went away: later steps skip saving
+                self._stats.inc("store_errors", "save")
+                self._guard.failed(e)
             except Exception as e:
                 self._stats.inc("store_errors", "save")
                 self._log_once(f"commit:{type(e).__name__}", "tiered cache save failed: %r", e)
@@ -1203,6 +1478,19 @@ class TieredCacheConnector(KVConnectorBase_V1):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _chunk_bytes(kv_cache_config: KVCacheConfig | None, extra: Mapping[str, Any]) -> int:
+    """Bytes of one full chunk on this rank (all layers), from vLLM's KV cache spec: what
+    the agent prices a chunk of unknown size at. 0 when the spec does not say."""
+    try:
+        group = _single_group_spec(kv_cache_config)  # type: ignore[arg-type]
+        spec = group.kv_cache_spec
+        per_block = int(spec.page_size_bytes) * len(group.layer_names)
+        chunk = int(extra.get("chunk_size", tc_keys.DEFAULT_CHUNK_SIZE))
+        return per_block * (chunk // int(spec.block_size))
+    except Exception:
+        return 0
 
 
 def _tp_rank() -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -32,10 +33,12 @@ LAYERS = 3
 CHUNK = 64
 
 
-def kv_layers(num_blocks: int = 64, seed: int = 0, dtype: torch.dtype = torch.float32):
+def kv_layers(
+    num_blocks: int = 64, seed: int = 0, dtype: torch.dtype = torch.float32, bs: int = BS
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(num_blocks, H, BS, 2 * HS, generator=g).to(dtype) for _ in range(LAYERS)
+        torch.randn(num_blocks, H, bs, 2 * HS, generator=g).to(dtype) for _ in range(LAYERS)
     ]
 
 
@@ -152,6 +155,7 @@ def sched_output(new: list[tuple[FakeRequest, list[int], int, int]]) -> Any:
             req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
         ),
         num_scheduled_tokens={r.request_id: n for r, _, _, n in new},
+        total_num_scheduled_tokens=sum(n for *_, n in new),
     )
 
 
@@ -172,7 +176,7 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryChunkStore]:
     yield st
 
 
-def make_connector(mod: Any, role: str, kv_role: str, **extra: Any) -> Any:
+def make_connector(mod: Any, role: str, kv_role: str, bs: int = BS, **extra: Any) -> Any:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -189,7 +193,7 @@ def make_connector(mod: Any, role: str, kv_role: str, **extra: Any) -> Any:
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout="LBHNC"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
     )
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=HS, dtype=torch.float32)
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=H, head_size=HS, dtype=torch.float32)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kcc = KVCacheConfig(
         num_blocks=64,
@@ -204,10 +208,11 @@ def make_connector(mod: Any, role: str, kv_role: str, **extra: Any) -> Any:
 class Node:
     """A scheduler-side and a worker-side connector of one vLLM instance."""
 
-    def __init__(self, mod: Any, kv_role: str, seed: int, zero: bool = False, **extra: Any):
-        self.sched = make_connector(mod, "scheduler", kv_role, **extra)
-        self.worker = make_connector(mod, "worker", kv_role, **extra)
-        layers = kv_layers(64, seed)
+    def __init__(self, mod: Any, kv_role: str, seed: int, zero: bool = False,
+                 bs: int = BS, blocks: int = 64, **extra: Any):  # fmt: skip
+        self.sched = make_connector(mod, "scheduler", kv_role, bs=bs, **extra)
+        self.worker = make_connector(mod, "worker", kv_role, bs=bs, **extra)
+        layers = kv_layers(blocks, seed, bs=bs)
         if zero:
             layers = [torch.zeros_like(t) for t in layers]
         self.layers = layers
@@ -287,7 +292,8 @@ def test_producer_saves_progressively_with_chunked_prefill(
         resumed_req_ids=set(),
     )
     so = SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"p1": 70}
+        scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"p1": 70},
+        total_num_scheduled_tokens=70,
     )
     m2 = p.step(so)
     assert [(s.index, s.block_ids) for s in m2.saves] == [(1, P_BLOCKS[4:8]), (2, P_BLOCKS[8:])]
@@ -378,22 +384,141 @@ def test_header_mismatch_is_refused(vllm_mod: Any, store: MemoryChunkStore) -> N
     assert not any(t.any() for t in d.layers)
 
 
-def test_consumer_waits_for_prefill_then_falls_back(
+def hint(keys: list[str]) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a router passes from a prefill that saved ``keys``."""
+    return {"do_remote_prefill": True, "tiered_cache": {"keys": keys}}
+
+
+def test_consumer_waits_only_for_the_chunks_its_prefill_saved(
     vllm_mod: Any, store: MemoryChunkStore
 ) -> None:
     d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0.3,
              lookup_poll_s=0, async_load=True)
-    req = FakeRequest("d1", PROMPT)
+    keys = d.sched._req_keys(PROMPT, None)
+    req = FakeRequest("d1", PROMPT, kv_transfer_params=hint(keys))
     d.sched.on_new_request(req)
     assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later
     prefill(vllm_mod, store)
     assert d.sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, True)
-    # A prompt nobody prefills: wait until the deadline, then recompute.
-    req2 = FakeRequest("d2", list(range(300, 400)))
+    # A prefill that said it saved chunks that never land: wait out the budget (here the
+    # cap: this engine has measured no prefill yet), then recompute.
+    other = list(range(300, 400))
+    req2 = FakeRequest("d2", other, kv_transfer_params=hint(d.sched._req_keys(other, None)))
     d.sched.on_new_request(req2)
     assert d.sched.get_num_new_matched_tokens(req2, 0) == (None, False)
     time.sleep(0.35)
     assert d.sched.get_num_new_matched_tokens(req2, 0) == (0, False)
+    assert counters(d.sched.get_kv_connector_stats())["recompute_fallbacks"] == {"deadline": 1}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [None, {"do_remote_prefill": True}, hint([])],
+    ids=["no-params", "no-hint", "router-skipped-prefill"],
+)
+def test_consumer_never_waits_for_chunks_nobody_is_saving(
+    vllm_mod: Any, store: MemoryChunkStore, params: dict[str, Any] | None
+) -> None:
+    """The stall of the old rule: a decode waited out the whole deadline for a chunk no
+    prefill was writing (the router had skipped the prefill, or it saved fewer)."""
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=30,
+             lookup_poll_s=0)
+    req = FakeRequest("d1", PROMPT, kv_transfer_params=params)
+    d.sched.on_new_request(req)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    # Two of three chunks present, the prefill saved those two: load them, no waiting.
+    p = prefill(vllm_mod, store)
+    tail = p.sched._req_keys(PROMPT, None)[2]
+    del store._data[tail]
+    req2 = FakeRequest("d2", PROMPT, kv_transfer_params=params or hint(
+        p.sched._req_keys(PROMPT, None)[:2]))  # fmt: skip
+    d.sched.on_new_request(req2)
+    assert d.sched.get_num_new_matched_tokens(req2, 0) == (128, False)
+
+
+@pytest.mark.parametrize("bs", [16, 64, 128])
+@pytest.mark.parametrize("n", [255, 256, 257, 700])
+def test_every_saved_chunk_is_found_and_nothing_is_waited_for(
+    vllm_mod: Any, store: MemoryChunkStore, bs: int, n: int
+) -> None:
+    """The demo's stall: a decode waiting for a last chunk that never came. Prompt
+    lengths on and off the 256-token chunk boundary, block sizes 16/64/128, a shared
+    prefix and a growing conversation: the decode finds every chunk its prefill listed at
+    the first ask (never "ask again"), loads all but the last token, and the KV equals the
+    prefill's."""
+    cs = 256
+    nb = -(-1024 // bs)
+    p = Node(vllm_mod, "kv_producer", seed=1, bs=bs, blocks=2 * nb + 8, chunk_size=cs)
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, bs=bs, blocks=2 * nb + 8,
+             chunk_size=cs, load_wait_timeout_s=30, lookup_poll_s=0)  # fmt: skip
+    base = [(i * 7919) % 500 + 6 for i in range(n)]
+    turns = [base, [*base[:200], *range(1000, 1000 + n)], [*base, *range(2000, 2100)]]
+    for t, prompt in enumerate(turns):
+        m = len(prompt)
+        pb = list(range(-(-m // bs)))
+        db = [nb + 4 + b for b in pb]
+        req = FakeRequest(f"p{t}", prompt)
+        p.sched.update_state_after_alloc(req, FakeBlocks(pb), 0)
+        p.step(sched_output([(req, pb, 0, m)]))
+        params = p.sched.request_finished(req, pb)[1]
+        dreq = FakeRequest(f"d{t}", prompt, kv_transfer_params=params)
+        d.sched.on_new_request(dreq)
+        got = d.sched.get_num_new_matched_tokens(dreq, 0)
+        assert got == (m - 1, False), (t, m, got)
+        d.sched.update_state_after_alloc(dreq, FakeBlocks(db), m - 1)
+        d.step(sched_output([]))
+        assert d.worker.get_block_ids_with_load_errors() == set()
+        used = -(-(m - 1) // bs)
+        for li in range(LAYERS):
+            assert torch.equal(d.layers[li][db[:used]], p.layers[li][pb[:used]])
+        d.sched.request_finished(dreq, db)
+    assert "recompute_fallbacks" not in counters(d.sched.get_kv_connector_stats())
+
+
+class SourcedStore(MemoryChunkStore):
+    """Reports a chosen source per chunk index (as an agent would: dram, s3, ...)."""
+
+    def __init__(self, base: MemoryChunkStore, sources: list[str]) -> None:
+        super().__init__()
+        self._data = base._data
+        self.sources = sources
+
+    def lookup(self, keys: Any) -> list[str]:
+        return [self.sources[i] for i in range(len(super().lookup(keys)))]
+
+
+@pytest.mark.parametrize(
+    ("sources", "computed", "want_async"),
+    [
+        (["s3", "dram", "dram"], 64, False),  # the remote chunk is below vLLM's own hit
+        (["dram", "s3", "dram"], 64, True),
+        (["s3", "dram", "dram"], 0, True),
+    ],
+)
+def test_sync_or_async_is_decided_once_from_the_chunks_loaded(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch,
+    sources: list[str], computed: int, want_async: bool,
+) -> None:
+    """What vLLM is told (async: the request waits in WAITING_FOR_REMOTE_KVS until
+    get_finished reports it) is what the worker does. The old code decided "async" from
+    every hit chunk but ran the job from the loaded ones: a sync job, never reported, and
+    the request waited forever."""
+    p = prefill(vllm_mod, store)
+    sourced = SourcedStore(store, sources)
+    import tiered_cache.client as client
+
+    monkeypatch.setattr(client, "open_store", lambda extra: sourced)
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0)
+    req = FakeRequest("d1", PROMPT)
+    n, is_async = d.sched.get_num_new_matched_tokens(req, computed)
+    assert (n, is_async) == (len(PROMPT) - 1 - computed, want_async)
+    d.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), n)
+    meta = d.step(sched_output([]))
+    assert [job.is_async for job in meta.loads] == [want_async]
+    if want_async:
+        done, errors = d.finish_loads()
+        assert done == {"d1"} and errors == set()
+    assert p is not None
 
 
 def test_kv_both_reuses_its_own_prefix(vllm_mod: Any, store: MemoryChunkStore) -> None:
@@ -450,7 +575,7 @@ def test_metrics_move_after_save_and_load(vllm_mod: Any, store: MemoryChunkStore
     d.step(sched_output([]))
     d.finish_loads()
     sched = d.sched.get_kv_connector_stats()
-    assert counters(sched) == {"lookups": {"hit": 1}}
+    assert counters(sched) == {"lookups": {"hit": 1}, "fetch_decisions": {"load": 1}}
     worker = d.worker.get_kv_connector_stats()
     # MemoryChunkStore does not say who served a chunk: the lookup's source stands in.
     assert counters(worker)["hit_tokens"] == {"dram": len(PROMPT) - 1}
@@ -516,7 +641,8 @@ def test_fallback_reasons_are_counted(vllm_mod: Any, store: MemoryChunkStore) ->
     assert counters(d.worker.get_kv_connector_stats())["recompute_fallbacks"] == {"missing": 1}
     # A consumer that waited for a prefill that never came: "deadline", counted once.
     w = Node(vllm_mod, "kv_consumer", seed=2, load_wait_timeout_s=0.05, lookup_poll_s=0)
-    req3 = FakeRequest("d3", list(range(300, 400)))
+    other = list(range(300, 400))
+    req3 = FakeRequest("d3", other, kv_transfer_params=hint(w.sched._req_keys(other, None)))
     w.sched.on_new_request(req3)
     assert w.sched.get_num_new_matched_tokens(req3, 0) == (None, False)
     time.sleep(0.06)
@@ -722,3 +848,150 @@ def test_zero_copy_save_is_copied_out_before_wait_for_save_returns(
     assert d.worker.get_block_ids_with_load_errors() == set()
     for li in range(LAYERS):
         assert torch.equal(d.layers[li][D_BLOCKS], original[li][P_BLOCKS])
+
+
+def wait_for_answer(node: Node, req: FakeRequest, computed: int = 0,
+                    timeout: float = 20.0) -> tuple[int | None, bool]:
+    """Ask the scheduler as vLLM does (again while it answers None), until it answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = node.sched.get_num_new_matched_tokens(req, computed)
+        if got[0] is not None or time.monotonic() > deadline:
+            return got
+        time.sleep(0.005)
+
+
+def test_remote_chunks_are_copied_into_dram_then_loaded_inside_the_forward(
+    vllm_mod: Any, s3_server: Any, s3_bucket: str, tmp_path: Any
+) -> None:
+    """Chunks only S3 holds: the agent copies them into this node's DRAM while the
+    request waits in the queue (no KV blocks held, no worker thread), then they load
+    synchronously like a DRAM hit. The hit is counted under the tier it came from."""
+    from tiered_cache import client
+
+    extra = {"tiered_cache": {
+        "node_id": f"pf-{uuid.uuid4().hex[:6]}",
+        "dram": {"capacity": "8MiB", "slot_bytes": "64KiB"},
+        "s3": {"enabled": True, "url": f"s3://{s3_bucket}/kv", "region": "us-east-1",
+               "endpoint_url": s3_server.endpoint_url, "write_mode": "write_through"},
+        "agent": {"socket": str(tmp_path / "agent.sock")},
+    }}  # fmt: skip
+    nodes: list[Node] = []
+    try:
+        p = Node(vllm_mod, "kv_producer", seed=1, **extra)
+        nodes.append(p)
+        req = FakeRequest("p1", PROMPT)
+        p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+        p.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+        admin = p.sched._open_store()
+        admin.admin("flush")  # the write-through copies reached S3
+        for k in p.sched._reqs["p1"].keys:
+            admin.admin("evict", key=k, tiers=["dram"])
+        d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, **extra)
+        nodes.append(d)
+        dreq = FakeRequest("d1", PROMPT)
+        assert d.sched.get_num_new_matched_tokens(dreq, 0) == (None, False)  # prefetching
+        assert wait_for_answer(d, dreq) == (len(PROMPT) - 1, False)  # then a sync load
+        d.sched.update_state_after_alloc(dreq, FakeBlocks(D_BLOCKS), len(PROMPT) - 1)
+        meta = d.step(sched_output([]))
+        assert [job.is_async for job in meta.loads] == [False]
+        assert {(c.origin, c.source) for c in meta.loads[0].chunks} == {("s3", "dram")}
+        assert d.worker.get_block_ids_with_load_errors() == set()
+        for li in range(LAYERS):
+            assert torch.equal(d.layers[li][D_BLOCKS], p.layers[li][P_BLOCKS])
+        c = counters(d.worker.get_kv_connector_stats())
+        assert c["hit_tokens"] == {"s3": len(PROMPT) - 1}
+    finally:
+        for n in nodes:
+            n.sched.shutdown()
+            n.worker.shutdown()
+        client.shutdown_embedded()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_dead_agent_costs_requests_nothing_and_is_found_again(
+    vllm_mod: Any, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``kill -9`` of the node agent: every request is answered at once (recompute, no
+    wait), saves are skipped and counted, the prefill claims no chunks, and the connector
+    tries the agent again only on its backoff schedule (counted, not timed). One log line
+    when the outage starts, one when it ends."""
+    import signal
+    import subprocess
+
+    import yaml
+
+    from tiered_cache.agent import spawn_agent
+
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "node_id": f"dead-{uuid.uuid4().hex[:6]}", "dram": {"capacity": "8MiB"},
+        "agent": {"socket": str(tmp_path / "agent.sock")},
+    }))  # fmt: skip
+    agent = spawn_agent(cfg, timeout=30, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    extra = {"config_file": str(cfg), "embedded": "never", "load_wait_timeout_s": 30}
+    nodes: list[Node] = []
+    try:
+        p = Node(vllm_mod, "kv_producer", seed=1, **extra)
+        d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, lookup_poll_s=0, **extra)
+        nodes += [p, d]
+        clock = FakeClock()
+        for n in nodes:
+            n.sched._guard.clock = n.worker._guard.clock = clock
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+        before = d.sched._guard.attempts
+        with caplog.at_level(logging.WARNING, logger="vllm.connectors.tiered_cache"):
+            for i in range(20):  # a burst of requests, each waiting for its prefill's chunks
+                keys = d.sched._req_keys([*PROMPT, i], None)
+                r = FakeRequest(f"d{i}", [*PROMPT, i], kv_transfer_params=hint(keys))
+                d.sched.on_new_request(r)
+                assert d.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            assert d.sched._guard.attempts - before == 1  # the first found it down
+            preq = FakeRequest("p1", PROMPT)
+            p.sched.update_state_after_alloc(preq, FakeBlocks(P_BLOCKS), 0)
+            p.step(sched_output([(preq, P_BLOCKS, 0, len(PROMPT))]))
+            assert p.sched.request_finished(preq, P_BLOCKS)[1]["tiered_cache"]["keys"] == []
+            clock.t += 0.3  # past the first backoff: one probe (off the request's path)
+            keys = d.sched._req_keys(PROMPT, None)
+            r = FakeRequest("dx", PROMPT, kv_transfer_params=hint(keys))
+            for _ in range(5):
+                assert d.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            d.sched._probe.join(10)
+            assert d.sched._guard.attempts - before == 2 and d.sched._guard.down
+        # One line per connector that found it down (decode scheduler, prefill scheduler
+        # and worker), however many calls each made.
+        down = [r for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(down) == 3, [r.getMessage() for r in caplog.records]
+        assert [g.outages for g in (d.sched._guard, p.sched._guard, p.worker._guard)] == [1] * 3
+        assert "Traceback" not in caplog.text
+        c = counters(d.sched.get_kv_connector_stats())
+        assert c["recompute_fallbacks"] == {"unavailable": 21}
+        assert counters(p.worker.get_kv_connector_stats())["saves_skipped"] == {"": 3}
+        # The agent comes back: after the backoff the next request finds it again.
+        agent = spawn_agent(cfg, timeout=30, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+        clock.t += 60
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm.connectors.tiered_cache"):
+            r2 = FakeRequest("d-back", PROMPT)
+            # This request does not wait for the probe; the next one uses the cache.
+            assert d.sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+            d.sched._probe.join(10)
+        assert any("is back" in r.getMessage() for r in caplog.records)
+        assert not d.sched._guard.down
+        assert d.sched._lookup(keys) == []  # answered by the agent (a plain miss)
+        assert not d.sched._guard.down
+    finally:
+        for n in nodes:
+            n.sched.shutdown()
+            n.worker.shutdown()
+        agent.kill()
+        agent.wait(10)

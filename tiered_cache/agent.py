@@ -536,7 +536,12 @@ class NodeAgent:
                 "tiers": [s.name for s in store.slots],
             }
         if op == "lookup":
+            if msg.get("priced"):  # with each chunk's expected load seconds
+                srcs, costs = await store.lookup_priced(msg["keys"], int(msg.get("nbytes") or 0))
+                return {"sources": srcs, "costs": costs}
             return {"sources": await store.lookup(msg["keys"])}
+        if op == "prefetch":  # copy remote / lower-tier chunks into DRAM, in the background
+            return {"started": await store.prefetch(msg["keys"], msg.get("fp"))}
         if op == "locate":  # nodes holding each key in DRAM/NVMe (for cache-aware routing)
             locs = await self.directory.locate(msg["keys"])
             return {"nodes": [sorted({x.node_id for x in ls if x.tier != "s3"}) for ls in locs]}

@@ -101,6 +101,7 @@ class AgentClient:
             sock.close()
             raise
         self._sock = sock
+        self._broken = False
         self._conn_gen = getattr(self, "_conn_gen", 0) + 1  # reservations die with a connection
         self._stash: list[tuple[int, int]] = []  # (slot, bytes) reserved for our next put
         hello = call_sync(sock, {"op": "hello"})
@@ -141,21 +142,47 @@ class AgentClient:
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
+            if self._broken:  # the last exchange failed: never read its late reply
+                self._reconnect_locked()
             if self._touches:  # ahead of the request, so the agent's answer reflects them
                 self._flush_touches()
-            return call_sync(self._sock, msg)
+            try:
+                return call_sync(self._sock, msg)
+            except ConnectionLost:
+                self._break_locked()
+                raise
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        """One-way message (the agent does not answer)."""
+        with self._lock:
+            if self._broken:
+                return  # the agent dropped this connection's state with it
+            try:
+                send_only(self._sock, msg)
+            except ConnectionLost:
+                self._break_locked()
+
+    def _break_locked(self) -> None:
+        self._broken = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def _reconnect_locked(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._connect()  # raises OSError while the agent is down
+        self._broken = False
 
     def _retry(self, fn: Callable[[], T]) -> T:
         """Run ``fn``; if the agent restarted under us, reconnect once and run it again
-        (the agent dropped our leases and reservations with the old connection)."""
+        (the agent dropped our leases and reservations with the old connection). An
+        agent that did not answer in time is not asked again: it may be hung."""
         try:
             return fn()
         except ConnectionLost as e:
-            log.warning("agent at %s went away (%s): reconnecting", self.socket_path, e)
-            with self._lock:
-                with contextlib.suppress(OSError):
-                    self._sock.close()
-                self._connect()
+            if e.timed_out:
+                raise
+            log.info("agent at %s went away (%s): reconnecting", self.socket_path, e)
             return fn()
 
     def _slot(self, slot: int, length: int) -> memoryview:
@@ -171,6 +198,41 @@ class AgentClient:
         return self._retry(
             lambda: list(self._call({"op": "lookup", "keys": list(keys)})["sources"])
         )
+
+    def ping(self) -> None:
+        """One round trip (reconnecting first if the last exchange failed)."""
+        self._retry(lambda: self._call({"op": "hello"}))
+
+    def lookup_priced(
+        self, keys: Sequence[str], nbytes: int = 0
+    ) -> tuple[list[str], list[float]]:
+        """``lookup`` plus the agent's expected seconds to load each found chunk from its
+        source (priced at ``nbytes`` when its size is not known locally)."""
+        if not keys:
+            return [], []
+        r = self._retry(
+            lambda: self._call({"op": "lookup", "keys": list(keys), "priced": True,
+                                "nbytes": int(nbytes)})
+        )  # fmt: skip
+        return list(r["sources"]), [float(c) for c in r["costs"]]
+
+    def prefetch(self, keys: Sequence[str], fingerprint: bytes | None = None) -> int:
+        """Have the agent copy ``keys`` into its DRAM in the background (from NVMe, a peer
+        or S3); poll ``in_dram``. Returns how many copies it started."""
+        if not keys:
+            return 0
+        r = self._retry(lambda: self._call({"op": "prefetch", "keys": list(keys),
+                                            "fp": fingerprint}))  # fmt: skip
+        return int(r["started"])
+
+    def in_dram(self, keys: Sequence[str]) -> list[bool] | None:
+        """Which keys the shared DRAM index holds now, with no round trip to the agent;
+        None without an index (then ask ``lookup``)."""
+        with self._lock:
+            ix = self._index
+        if ix is None:
+            return None
+        return [ix.find(k) is not None for k in keys]
 
     def locate(self, keys: Sequence[str]) -> list[list[str]]:
         """Node ids holding each key in DRAM or NVMe, cluster-wide (from the directory)."""
@@ -224,8 +286,7 @@ class AgentClient:
                 self._deliver(i, key, raw, fingerprint, sink, rep)
         finally:
             if leased:  # one-way: a get costs one round trip
-                with self._lock:
-                    send_only(self._sock, {"op": "release", "slots": leased})
+                self._send({"op": "release", "slots": leased})
         return rep
 
     def _load_direct(
@@ -283,18 +344,19 @@ class AgentClient:
         if not self._touches:
             return
         hits, self._touches = self._touches, []
+        if self._broken:
+            return
         sock = self._sock
         sock.settimeout(_TOUCH_SEND_S)  # a stalled agent must not stall direct reads long
         try:
             send_only(sock, {"op": "touch", "hits": hits})
         except (ConnectionLost, OSError):
-            # Part of a frame may have gone out: the stream is unusable. Shut it so the
-            # next call reconnects instead of reading out of step.
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            with contextlib.suppress(OSError):
-                sock.settimeout(self.timeout)
+            # Part of a frame may have gone out: the stream is unusable. The next call
+            # reconnects instead of reading out of step.
+            self._break_locked()
+            return
+        with contextlib.suppress(OSError):
+            sock.settimeout(self.timeout)
 
     def _deliver(
         self,
@@ -533,11 +595,14 @@ def connect(
     embedded: str = "auto",
     verify_payload: bool = True,
     attach_pool: bool = True,
+    timeout: float = 60.0,
 ) -> AgentClient:
     """Client for ``cfg``'s node agent; start one in-process if allowed and none runs."""
     path = cfg.socket_path
     try:
-        return AgentClient(path, verify_payload=verify_payload, attach_pool=attach_pool)
+        return AgentClient(
+            path, verify_payload=verify_payload, attach_pool=attach_pool, timeout=timeout
+        )
     except (FileNotFoundError, ConnectionRefusedError, IPCError, OSError):
         if embedded == "never":
             raise
@@ -547,12 +612,13 @@ def connect(
         if path not in _embedded:
             log.info("no node agent at %s: starting an embedded one", path)
             _embedded[path] = EmbeddedAgent(cfg)
-    return AgentClient(path, verify_payload=verify_payload)
+    return AgentClient(path, verify_payload=verify_payload, timeout=timeout)
 
 
 def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
     """ChunkStore for a connector. Keys: ``config_file``, ``tiered_cache`` (inline),
-    ``embedded`` (auto|never), ``verify_dram_reads`` (default true)."""
+    ``embedded`` (auto|never), ``verify_dram_reads`` (default true), ``agent_timeout_s``
+    (how long a call may wait for the agent's answer; 60)."""
     cfg = config_from_extra(extra_config)
     sock = extra_config.get("agent_socket")
     if sock:
@@ -561,6 +627,7 @@ def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
         cfg,
         embedded=str(extra_config.get("embedded", "auto")),
         verify_payload=bool(extra_config.get("verify_dram_reads", True)),
+        timeout=float(extra_config.get("agent_timeout_s", 60.0)),
     )
 
 

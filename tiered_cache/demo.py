@@ -10,6 +10,7 @@ process it started is stopped on the way out (also on Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=12, help="requests to replay")
     ap.add_argument("--workdir", default=str(REPO / ".demo"), help="logs, model, NVMe dir")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--clients", type=int, default=3, help="requests in flight at a time")
     a = ap.parse_args(argv)
     work = Path(a.workdir)
     if work.exists():  # a fresh run: no chunks or logs from the last one
@@ -352,60 +354,85 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     rurl = f"http://127.0.0.1:{rport}"
     _wait_http(rurl + "/health", router, "router", work / "router.log", 60)
 
-    say(f"[6/6] replaying {a.requests} requests (4 conversations, 2 shared system prompts)")
-    rows = []
+    say(
+        f"[6/6] replaying {a.requests} requests (4 conversations, 2 shared system prompts, "
+        f"{a.clients} client{'s' if a.clients > 1 else ''} at a time); each prompt also "
+        "runs once on the decode server with a fresh cache_salt (nothing cached): its "
+        "recompute TTFT"
+    )
     before = _hits(_stats(sock))
-    for i, (cid, prompt) in enumerate(_workload(a.requests)):
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": a.max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        t = time.perf_counter()
-        ttft = None
-        usage: dict[str, Any] = {}
-        with httpx.stream("POST", rurl + "/v1/completions", json=body, timeout=300) as r:
-            if r.status_code != 200:
-                r.read()
-                raise RuntimeError(f"request {i} failed: {r.status_code} {r.text[:300]}")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                if ttft is None and ev.get("choices") and ev["choices"][0].get("text"):
-                    ttft = time.perf_counter() - t
-                if ev.get("usage"):
-                    usage = ev["usage"]
-        after = _hits(_stats(sock))
-        delta = {k: int(after[k] - before[k]) for k in TIERS}
-        before = after
-        details = usage.get("prompt_tokens_details") or {}
-        rows.append(
-            (
-                i,
-                cid,
-                usage.get("prompt_tokens", 0),
-                details.get("cached_tokens", 0),
-                ttft or float("nan"),
-                delta,
-            )
-        )
+    work_items = list(enumerate(_workload(a.requests)))
+    rows: list[list[Any]] = []
+    with concurrent.futures.ThreadPoolExecutor(a.clients) as pool:
+        for wave in range(0, len(work_items), a.clients):
+            batch = work_items[wave : wave + a.clients]
+            results = list(pool.map(lambda it: _request(rurl, it[1], a.max_tokens), batch))
+            for (i, (cid, _prompt)), (ttft, usage) in zip(batch, results, strict=True):
+                details = usage.get("prompt_tokens_details") or {}
+                rows.append([i, cid, usage.get("prompt_tokens", 0),
+                             details.get("cached_tokens", 0), ttft, None, {}])  # fmt: skip
+            after = _hits(_stats(sock))
+            rows[-1][6] = {k: int(after[k] - before[k]) for k in TIERS}  # per wave
+            before = after
+    # The same prompts with nothing cached, one at a time on the decode server.
+    for row, (_i, (_cid, prompt)) in zip(rows, work_items, strict=True):
+        row[5] = _request(dec.url, prompt, 1, salt=f"demo-recompute-{uuid.uuid4().hex}")[0]
     _report(rows, _stats(sock))
     say(f"done in {time.monotonic() - t0:.0f}s; logs in {work}")
     return 0
 
 
-def _report(rows: list[tuple[Any, ...]], m: dict[str, float]) -> None:
+def _request(
+    url: str, prompt: str, max_tokens: int, salt: str | None = None
+) -> tuple[float, dict[str, Any]]:
+    """One streamed completion: (TTFT seconds, usage)."""
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if salt is not None:
+        body["cache_salt"] = salt
+    t = time.perf_counter()
+    ttft = None
+    usage: dict[str, Any] = {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"request failed: {r.status_code} {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ttft is None and ev.get("choices") and ev["choices"][0].get("text") is not None:
+                ttft = time.perf_counter() - t
+            if ev.get("usage"):
+                usage = ev["usage"]
+    return (ttft if ttft is not None else float("nan")), usage
+
+
+def _report(rows: list[list[Any]], m: dict[str, float]) -> None:
     print()
     print(
-        f"{'#':>2} {'conversation':12} {'prompt':>6} {'cached':>6} {'TTFT ms':>8}  chunks by tier"
+        f"{'#':>2} {'conversation':12} {'prompt':>6} {'cached':>6} {'TTFT ms':>8} "
+        f"{'recompute':>9} {'saved':>6}  chunks by tier (per wave)"
     )
-    for i, cid, ptok, cached, ttft, delta in rows:
-        tiers = " ".join(f"{t}={n}" for t, n in delta.items() if n) or "-"
-        print(f"{i:>2} {cid:12} {ptok:>6} {cached:>6} {ttft * 1e3:>8.1f}  {tiers}")
+    for i, cid, ptok, cached, ttft, recompute, delta in rows:
+        tiers = " ".join(f"{t}={n}" for t, n in delta.items() if n) or ""
+        saved = f"{recompute / ttft:5.1f}x" if ttft and recompute else "    -"
+        print(
+            f"{i:>2} {cid:12} {ptok:>6} {cached:>6} {ttft * 1e3:>8.1f} "
+            f"{recompute * 1e3:>9.1f} {saved:>6}  {tiers}"
+        )
+    ttfts = sorted(r[4] for r in rows)
+    recs = sorted(r[5] for r in rows)
+    print(
+        f"\nTTFT median {ttfts[len(ttfts) // 2] * 1e3:.0f} ms through the cache vs "
+        f"{recs[len(recs) // 2] * 1e3:.0f} ms recomputed; worst {ttfts[-1] * 1e3:.0f} ms"
+    )
     hits = _hits(m)
     misses = m.get("tiered_cache_misses_total{tier=all}", 0.0)
     total = sum(hits.values()) + misses

@@ -29,8 +29,13 @@ PRIORS: dict[str, tuple[float, float]] = {
     "nvme": (200e-6, 2e9),
     "peer": (1e-3, 1e9),
     "s3": (20e-3, 2e8),
+    # An engine computing prompt tokens (connectors.vllm_plan): per step, tokens per s.
+    "recompute": (1e-3, 2e3),
 }
 _ANCHORS = (64 * 2**10, 32 * 2**20)
+# Where the prior's pseudo-transfers sit must match the sizes a source sees: a far anchor
+# has great leverage on the fitted slope. Recompute "sizes" are tokens per engine step.
+_ANCHORS_BY_KIND = {"recompute": (16, 4096)}
 _ANCHOR_WEIGHT = 0.01  # a 100th of a real transfer: measurements win after a few
 _MIN_SECONDS_PER_BYTE = 1 / 200e9  # no source beats 200 GB/s: keeps b > 0
 _CLIP = 4.0  # a transfer counts as at most this many times its expected time
@@ -105,7 +110,7 @@ class SourceEstimator:
             s0, s1, s2, t0, t1, samples = (
                 (f.s0, f.s1, f.s2, f.t0, f.t1, f.samples) if f else (0.0, 0.0, 0.0, 0.0, 0.0, 0)
             )
-        for n in _ANCHORS:  # the priors as two faint pseudo-transfers
+        for n in _ANCHORS_BY_KIND.get(kind_of(source), _ANCHORS):  # the priors, faintly
             t = lat0 + n / bw0
             s0 += _ANCHOR_WEIGHT
             s1 += _ANCHOR_WEIGHT * n

@@ -109,8 +109,10 @@ class TieredStore:
         self._locks = {s.name: asyncio.Lock() for s in self.slots}
         self._bg: set[asyncio.Task[None]] = set()
         self._bg_sem = asyncio.Semaphore(max_background)
+        self._fetch_sem = asyncio.Semaphore(8)  # prefetches (as many as a get loads at once)
         self._info: dict[str, EntryInfo] = {}
         self._dropped_logged: set[str] = set()
+        self._prefetching: set[str] = set()  # keys being copied into DRAM
         # tier -> key -> ids of pins covering it
         self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
         self._pins: dict[str, Pin] = {}
@@ -140,9 +142,9 @@ class TieredStore:
         if not self._is_pinned(slot.name, key):
             slot.eviction.on_insert(key, size, self._info.get(key))
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None], sem: asyncio.Semaphore | None = None) -> None:
         async def run() -> None:
-            async with self._bg_sem:
+            async with sem or self._bg_sem:
                 try:
                     await coro
                 except Exception:
@@ -369,6 +371,46 @@ class TieredStore:
             out.append(lab)
             self.metrics.lookups.labels(lab).inc()
         return out
+
+    async def lookup_priced(
+        self, keys: Sequence[str], nbytes: int = 0
+    ) -> tuple[list[str], list[float]]:
+        """``lookup``, with the expected seconds to load each found chunk from its source
+        (``estimates``; ``nbytes``: the chunk size to price chunks of unknown size at)."""
+        sources = await self.lookup(keys)
+        typical = nbytes or self._typical_bytes or 2**20
+        costs: list[float] = []
+        for key, src in zip(keys, sources, strict=False):
+            slot = self.by_name.get(src)
+            size = (slot.tier.size_of(key) if slot is not None else None) or typical
+            costs.append(self._best_peer_s(size) if src == "peer" else
+                         self.estimates.expected_s(src, size))  # fmt: skip
+        return sources, costs
+
+    async def prefetch(self, keys: Sequence[str], expect_fp: bytes | None = None) -> int:
+        """Start copying ``keys`` that live below DRAM or on other nodes into DRAM, in the
+        background (deduplicated, bounded like other background work), so a reader can
+        then load them from local memory. Returns how many copies were started."""
+        if not isinstance(self.slots[0].tier, DRAMTier):
+            return 0
+        top = self.slots[0]
+        started = 0
+        for key in keys:
+            if key in self._prefetching or top.tier.size_of(key) is not None:
+                continue
+            self._prefetching.add(key)
+            # Not behind write-through copies to a slow S3: a reader is waiting for these.
+            self._spawn(self._prefetch_one(key, expect_fp), self._fetch_sem)
+            started += 1
+        return started
+
+    async def _prefetch_one(self, key: str, expect_fp: bytes | None) -> None:
+        try:
+            got = await self.lease(key, expect_fp)
+            if isinstance(got, tuple):
+                self.release(got[0])
+        finally:
+            self._prefetching.discard(key)
 
     def _directory_ok(self) -> bool:
         d = self.directory

@@ -22,7 +22,12 @@ class IPCError(Exception):
 
 
 class ConnectionLost(IPCError, ConnectionError):
-    """The peer went away mid-conversation (restart, crash)."""
+    """The peer went away mid-conversation (restart, crash), or did not answer in time
+    (``timed_out``). Either way the stream is out of step: the caller must close it."""
+
+    def __init__(self, msg: str, *, timed_out: bool = False) -> None:
+        super().__init__(msg)
+        self.timed_out = timed_out
 
 
 def pack(msg: dict[str, Any]) -> bytes:
@@ -52,8 +57,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     while got < n:
         try:
             r = sock.recv_into(view[got:], n - got)
-        except ConnectionResetError as e:
-            raise ConnectionLost(f"agent connection reset: {e}") from e
+        except TimeoutError as e:  # a late reply would answer the next request: give up
+            raise ConnectionLost("no reply from the agent in time", timed_out=True) from e
+        except OSError as e:
+            raise ConnectionLost(f"agent connection broken: {e}") from e
         if r == 0:
             raise ConnectionLost("connection closed by the agent")
         got += r

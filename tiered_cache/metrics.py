@@ -30,7 +30,16 @@ CONNECTOR_METRICS: dict[str, tuple[str, str, str]] = {
     "recompute_fallbacks": (
         "counter", "reason",
         "Requests that recompute KV they expected from the cache (reason: missing, "
-        "verification, layout_mismatch, copy_error, load_error, deadline)",
+        "verification, layout_mismatch, copy_error, load_error, deadline, fetch_deadline, "
+        "unavailable)",
+    ),
+    "fetch_decisions": (
+        "counter", "decision",
+        "Fetch-or-recompute choices for requests with cached chunks (decision: load, all "
+        "found chunks; prefix, a cheaper prefix; recompute, none)",
+    ),
+    "saves_skipped": (
+        "counter", "", "Chunks not saved because the node agent was unavailable",
     ),
     "layout_mismatches": (
         "counter", "",

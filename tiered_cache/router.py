@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tiered_cache.breaker import Breaker
 from tiered_cache.keys import ModelFingerprint, chunk_keys
 
 log = logging.getLogger("tiered_cache.router")
@@ -63,6 +64,12 @@ class RouterStats:
     errors: int = 0
     retries: int = 0  # requests moved to another backend after one failed
     per_backend: dict[str, int] = field(default_factory=dict)
+    # Requests served by the pool that was left (each server is a whole vLLM):
+    # no_prefill (the decode computed the prompt), no_decode (a prefill server decoded).
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
 
 class Router:
@@ -89,6 +96,7 @@ class Router:
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._cache_guard = Breaker("router: node agent (cache-aware routing)", log)
 
     # ---------------------------------------------------------------- app
 
@@ -150,12 +158,13 @@ class Router:
         up_p = [b.url for b in self.prefill if b.healthy]
         up_d = [b.url for b in self.decode if b.healthy]
         body = {"prefill": up_p, "decode": up_d}
-        return web.json_response(body, status=200 if up_d else 503)
+        # Either pool alone serves requests (degraded): unhealthy only with neither.
+        return web.json_response(body, status=200 if up_d or up_p else 503)
 
     async def models(self, _: web.Request) -> web.StreamResponse:
-        b = self._pick_decode()
+        b = self._pick_decode() or self._next_live(self.prefill, set())
         if b is None:
-            return _error(503, "no healthy decode server")
+            return _error(503, "no healthy server")
         async with self.session.get(b.url + "/v1/models") as r:
             return web.json_response(await r.json(), status=r.status)
 
@@ -166,6 +175,7 @@ class Router:
                 "prefill_skipped": self.stats.prefill_skipped,
                 "errors": self.stats.errors,
                 "retries": self.stats.retries,
+                "fallbacks": self.stats.fallbacks,
                 "per_backend": self.stats.per_backend,
                 "backends": [
                     {
@@ -220,9 +230,13 @@ class Router:
     async def _choose_prefill(self, keys: list[str] | None) -> tuple[Backend | None, bool]:
         """(prefill backend, skip_prefill)."""
         live = [b for b in self.prefill if b.healthy]
-        if keys and self.cache is not None:
+        if keys and self.cache is not None and self._cache_guard.allow():
             try:
                 sources = await asyncio.to_thread(self.cache.lookup, keys)
+                self._cache_guard.ok()
+            except OSError as e:  # the agent is down: route without the cache for a while
+                self._cache_guard.failed(e)
+                sources = []
             except Exception as e:  # the cache is an optimisation for routing
                 log.debug("cache lookup failed: %s", e)
                 sources = []
@@ -267,52 +281,60 @@ class Router:
             return _error(400, "request body must be a JSON object")
         path = request.path
         rid = request.headers.get("X-Request-Id") or f"tc-{time.monotonic_ns():x}"
-        keys = await self._prompt_keys(path, body)
+        keys = None if self._cache_guard.blocked else await self._prompt_keys(path, body)
         pre, skip = await self._choose_prefill(keys)
-        kv_params: dict[str, Any] = {"do_remote_prefill": True}
         if skip:
+            # Every chunk is in the cache already: nothing is on its way for the decode
+            # to wait for.
             self.stats.prefill_skipped += 1
+            kv_params: dict[str, Any] = {"do_remote_prefill": True, "tiered_cache": {"keys": []}}
         else:
-            # A prefill server that cannot be reached is taken out of rotation and the
-            # request goes to the next live one: nothing was sent to the client yet.
-            tried: set[str] = set()
-            if pre is None:
-                self.stats.errors += 1
-                return _error(503, "no healthy prefill server")
-            while True:
-                tried.add(pre.url)
-                got = await self._prefill(pre, path, body, rid)
-                if not isinstance(got, _Retry):
-                    break
-                self.stats.retries += 1
-                nxt = self._next_live(self.prefill, tried)
-                if nxt is None:
-                    self.stats.errors += 1
-                    return got.error
-                pre = nxt
+            got = await self._run_prefill(pre, path, body, rid)
             if isinstance(got, web.Response):
                 return got
             kv_params = got
         # The KV sits in the cache tiers, not in one decode server: any decode server can
         # pull it, so a dead one is retried on another.
-        tried = set()
+        tried: set[str] = set()
         dec = self._next_live(self.decode, tried)
-        if dec is None:
-            self.stats.errors += 1
-            return _error(503, "no healthy decode server")
-        while True:
+        while dec is not None:
             tried.add(dec.url)
             dbody = dict(body)
-            dbody["kv_transfer_params"] = kv_params
+            if kv_params:
+                dbody["kv_transfer_params"] = kv_params
             out = await self._decode(dec, path, dbody, rid, request)
             if not isinstance(out, _Retry):
                 return out
             self.stats.retries += 1
-            nxt = self._next_live(self.decode, tried)
-            if nxt is None:
-                self.stats.errors += 1
-                return out.error
-            dec = nxt
+            dec = self._next_live(self.decode, tried)
+        # No decode server left: a prefill server is a whole vLLM, it decodes the request
+        # itself (from its own KV, or the cache's).
+        srv = self._next_live(self.prefill, set())
+        if srv is None:
+            self.stats.errors += 1
+            return _error(503, "no healthy decode or prefill server")
+        self.stats.fallback("no_decode")
+        out = await self._decode(srv, path, dict(body), rid, request)
+        if isinstance(out, _Retry):
+            self.stats.errors += 1
+            return out.error
+        return out
+
+    async def _run_prefill(
+        self, pre: Backend | None, path: str, body: dict[str, Any], rid: str
+    ) -> dict[str, Any] | web.Response:
+        """The prefill's ``kv_transfer_params``; {} when no prefill server could run it
+        (the decode server then computes the prompt itself: slower, never a failure)."""
+        tried: set[str] = set()
+        while pre is not None:
+            tried.add(pre.url)
+            got = await self._prefill(pre, path, body, rid)
+            if not isinstance(got, _Retry):
+                return got
+            self.stats.retries += 1
+            pre = self._next_live(self.prefill, tried)
+        self.stats.fallback("no_prefill")
+        return {}
 
     def _least_loaded(self, live: list[Backend]) -> Backend:
         """Fewest in-flight requests; ties rotate round-robin."""
@@ -358,9 +380,9 @@ class Router:
             self._mark_failed(b, str(e) or type(e).__name__)
             return _Retry(_error(502, f"prefill server {b.url} failed: {type(e).__name__}"))
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            # Nothing reached the client yet: another prefill server, or the decode alone.
             self._mark_failed(b, str(e) or type(e).__name__)
-            self.stats.errors += 1
-            return _error(502, f"prefill server {b.url} failed: {type(e).__name__}")
+            return _Retry(_error(502, f"prefill server {b.url} failed: {type(e).__name__}"))
         finally:
             b.inflight -= 1
         params = resp.get("kv_transfer_params") or {"do_remote_prefill": True}
@@ -405,7 +427,7 @@ class Router:
                 return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._mark_failed(b, str(e) or type(e).__name__)
-            if isinstance(e, aiohttp.ClientConnectionError) and not started:
+            if not started:  # nothing reached the client: another server may serve it
                 return _Retry(_error(502, f"decode server {b.url} failed: {type(e).__name__}"))
             self.stats.errors += 1
             if started:

@@ -115,6 +115,10 @@ def nodes(
         kv_config=kv_transfer_config(
             "kv_consumer", store(b), policy="recompute", chunk_size=CHUNK,
             load_wait_timeout_s=WAIT_S,
+            # These tests check each source serves every chunk: with this tiny model an
+            # S3 round trip can cost more than recomputing a tail chunk (fetch_policy auto
+            # would rightly recompute it).
+            fetch_policy="always",
         ),
         env={"VLLM_CPU_OMP_THREADS_BIND": pinned_core(1)},
     )
@@ -315,6 +319,8 @@ def test_chunks_in_no_tier_are_recomputed(nodes: Nodes) -> None:
     assert d["dram"] == d["nvme"] == d["peer"] == d["s3"] == 0, d
     assert got.cached_tokens in (None, 0)
     log = n.decode.log_text()
+    # The directory still names dead A: the copy into B's DRAM never lands, and the wait
+    # for it is bounded (or a load that found nothing is recomputed).
     assert ("not loaded" in log and "vLLM recomputes it" in log) or (
-        "waited" in log and "recomputing the rest" in log
+        "did not arrive" in log and "recomputing from chunk 0" in log
     )

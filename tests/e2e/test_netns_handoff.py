@@ -82,7 +82,8 @@ def nodes(
         decode = VllmServer(
             "ns-decode", wide_model, free_port(), log_dir / "ns-decode.log",
             kv_config=kv_transfer_config(
-                "kv_consumer", store("decode"), policy="recompute", chunk_size=CHUNK
+                "kv_consumer", store("decode"), policy="recompute", chunk_size=CHUNK,
+                fetch_policy="always",  # the path is under test, not the choice
             ),
             env={"VLLM_CPU_OMP_THREADS_BIND": pinned_core(1)},
             host=net.addr("decode"), prefix=net.prefix("decode"),

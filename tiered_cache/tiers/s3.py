@@ -50,6 +50,7 @@ from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
 
+from tiered_cache.breaker import Breaker
 from tiered_cache.keys import is_valid_key
 from tiered_cache.metrics import Metrics
 from tiered_cache.tiers.base import Tier, TierError, TierFull, TierUsage
@@ -77,6 +78,15 @@ class _ObjectChanged(Exception):
 
 def _error_code(e: ClientError) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _is_outage(e: BaseException) -> bool:
+    """S3 itself is unavailable (no connection, timeouts, 5xx), as opposed to an answer
+    about one object (404, 403, a precondition)."""
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return int(status) >= 500
+    return isinstance(e, BotoCoreError | OSError)
 
 
 def _describe(e: BaseException) -> str:
@@ -167,6 +177,11 @@ class S3Tier(Tier):
         self._retry_lock = threading.Lock()
         self.retries = 0  # also without a Metrics, for tests and stats
         self.head_errors = 0
+        # While S3 is down, lookups answer "not here" and reads and writes fail at once
+        # instead of each paying botocore's retries; a background HEAD probes for its
+        # return on a backoff schedule, so no request pays for the probe either.
+        self.guard = Breaker(f"s3 bucket {bucket}", log)
+        self._probe: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> S3Tier:
@@ -238,19 +253,38 @@ class S3Tier(Tier):
 
     # -- sync workers (run in the pool) --------------------------------------------------
 
-    def _head(self, okey: str) -> bool | None:
-        """True/False, or None when the HEAD itself failed."""
+    def _head(self, okey: str) -> bool | BaseException:
+        """True/False, or the error when the HEAD itself failed."""
         try:
             self._client.head_object(Bucket=self.bucket, Key=okey)
             return True
         except ClientError as e:
             if _error_code(e) in _NOT_FOUND:
                 return False
-            log.warning("s3 head %s failed: %s", okey, _describe(e))
-            return None
+            if not _is_outage(e):
+                log.warning("s3 head %s failed: %s", okey, _describe(e))
+            return e
         except BotoCoreError as e:
-            log.warning("s3 head %s failed: %s", okey, _describe(e))
-            return None
+            return e
+
+    def _up(self) -> bool:
+        """Whether to call S3 now (see ``guard``). Call from the event loop."""
+        if not self.guard.down:
+            return True
+        if self.guard.allow() and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.ensure_future(self._probe_s3())
+        return False
+
+    async def _probe_s3(self) -> None:
+        r = await self._run(self._head, f"{self.prefix}tiered-cache-probe")
+        self._note(r if isinstance(r, BaseException) else None)
+
+    def _note(self, err: BaseException | None) -> None:
+        """Feed the breaker with the outcome of a call that reached for S3."""
+        if err is None:
+            self.guard.ok()
+        elif _is_outage(err):
+            self.guard.failed(err)
 
     def _get_object(self, okey: str, rng: str | None = None, etag: str | None = None) -> Any:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": okey}
@@ -374,16 +408,21 @@ class S3Tier(Tier):
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:
         okeys = [self.object_key(k) for k in keys]
         # Keys not written here may have been written by another node: ask S3 (once each).
+        if not self._up():  # down: nothing here can be read now
+            return [False] * len(keys)
         unknown = {k: ok for k, ok in zip(keys, okeys, strict=True) if k not in self._index}
         found: dict[str, bool] = {}
         if unknown:
             results = await asyncio.gather(*(self._run(self._head, ok) for ok in unknown.values()))
+            err: BaseException | None = None
             for k, r in zip(unknown, results, strict=True):
-                if r is None:
+                if isinstance(r, BaseException):
+                    err = err or r
                     self.head_errors += 1
                     if self.metrics is not None:
                         self.metrics.read_errors.labels(tier=self.name).inc()
-                found[k] = bool(r)
+                found[k] = r is True
+            self._note(err)
         return [k in self._index or found[k] for k in keys]
 
     async def longest_prefix(self, keys: Sequence[str]) -> int:
@@ -403,12 +442,16 @@ class S3Tier(Tier):
         """The object's bytes, or None when absent. Objects larger than ``part_size`` come
         back as a ``bytearray`` (bytes-like) filled in place, to avoid copying them."""
         okey = self.object_key(key)
+        if not self._up():
+            raise TierError(f"s3 get {okey}: S3 unavailable (retrying in the background)")
         try:
             data = await self._get(okey)
         except TierError:
             raise
         except Exception as e:  # anything unexpected from the wire is a miss, not a crash
+            self._note(e)
             raise self._read_error("get", okey, e) from e
+        self._note(None)
         if data is None:
             if self._index.pop(key, None) is not None:  # deleted by someone else
                 self._recount()
@@ -476,6 +519,8 @@ class S3Tier(Tier):
                 raise TierFull(
                     f"s3 budget: {self._used + self._reserved} used + {n} > {self.capacity_bytes}"
                 )
+        if not self._up():
+            raise TierError(f"s3 put {okey}: S3 unavailable (retrying in the background)")
         self._reserved += n
         try:
             if n > self.multipart_threshold:
@@ -485,6 +530,7 @@ class S3Tier(Tier):
         except TierError:
             raise
         except Exception as e:
+            self._note(e)
             raise self._write_error(okey, e) from e
         finally:
             self._reserved -= n
@@ -533,7 +579,7 @@ class S3Tier(Tier):
         okey = self.object_key(key)
         try:
             # S3 DELETE answers 204 whether or not the object existed; HEAD to tell.
-            existed = key in self._index or bool(await self._run(self._head, okey))
+            existed = key in self._index or (await self._run(self._head, okey)) is True
             if existed:
                 await self._run(
                     functools.partial(self._client.delete_object, Bucket=self.bucket, Key=okey)
