@@ -60,10 +60,13 @@ def say(msg: str) -> None:
 class Agent:
     """A node agent process from a YAML config; ``restart(fresh_dram=True)`` empties DRAM."""
 
-    def __init__(self, name: str, work: Path, cfg: dict[str, Any]) -> None:
+    def __init__(
+        self, name: str, work: Path, cfg: dict[str, Any], prefix: Sequence[str] = ()
+    ) -> None:
         self.name, self.work, self.cfg = name, work, cfg
         self.path = work / f"{name}.yaml"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.prefix = list(prefix)  # ``ip netns exec NS``: the node it runs on
 
     @property
     def sock(self) -> str:
@@ -80,10 +83,11 @@ class Agent:
             dram["shm_name"] = f"tcb_{uuid.uuid4().hex[:10]}"
         self.path.write_text(yaml.safe_dump(self.cfg))
         self.proc = spawn(
-            [sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(self.path)],
+            [*self.prefix, sys.executable, "-m", "tiered_cache.cli", "agent", "-c",
+             str(self.path)],
             self.work / f"{self.name}.log",
             extra_env=S3_ENV,
-        )
+        )  # fmt: skip
         wait_for_socket(self.sock, 120)
         return self
 
@@ -158,6 +162,46 @@ def measure(
 
 
 _LMCACHE_SERVERS: list[Any] = []
+_NETS: list[Any] = []  # network namespaces to remove at the end
+
+_RAW_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); print("ready", flush=True)
+c, _ = s.accept(); n = int(sys.argv[3]); buf = bytearray(n)
+while c.recv(1):
+    c.sendall(buf)
+"""
+_RAW_CLIENT = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); n = int(sys.argv[3])
+buf = bytearray(n); mv = memoryview(buf)
+for _ in range(int(sys.argv[4])):
+    t = time.perf_counter(); c.sendall(b"x"); got = 0
+    while got < n:
+        got += c.recv_into(mv[got:])
+    print(time.perf_counter() - t, flush=True)
+"""
+
+
+def raw_socket_s(host: str, client_prefix: Sequence[str], nbytes: int, runs: int) -> list[float]:
+    """Seconds to move ``nbytes`` over one TCP connection from ``host`` (node A's side)
+    to a client run under ``client_prefix`` (node B): the link's floor for a peer hit."""
+    port = free_port()
+    srv = subprocess.Popen(
+        [sys.executable, "-c", _RAW_SERVER, host, str(port), str(nbytes)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert srv.stdout is not None and srv.stdout.readline().strip() == "ready"
+        out = subprocess.run(
+            [*client_prefix, sys.executable, "-c", _RAW_CLIENT, host, str(port), str(nbytes),
+             str(runs + 1)], capture_output=True, text=True, timeout=300, check=True,
+        ).stdout  # fmt: skip
+        return [float(x) for x in out.split()][1:]  # the first one sets the connection up
+    finally:
+        srv.kill()
+        srv.wait(10)
 
 
 def start_lmcache(
@@ -256,6 +300,8 @@ def main() -> None:
             lms.stop()
         for p in procs:
             stop_group(p)
+        for net in _NETS:
+            net.close()
         # vLLM workers killed in a group leave their shared-memory segments behind, and
         # stopped agents their DRAM pools (GBs over a few runs, until the next run is
         # OOM-killed): every process of ours is gone now.
@@ -298,6 +344,17 @@ def run(
     rng = np.random.default_rng(7)
     prompt = [int(x) for x in rng.integers(10, 500, PROMPT_TOKENS)]
 
+    # Node B (the peer-hit and S3-hit decode) runs in its own network namespace when this
+    # machine allows it, as another node would: its peer pulls cross a veth link to node
+    # A, and a raw socket over the same link is the reference.
+    from tiered_cache.netns import NetNodes, unavailable_reason
+
+    why = unavailable_reason()
+    net = NetNodes(["b"]) if why is None else None
+    if net is not None:
+        _NETS.append(net)
+    host = net.host_ip if net is not None else "127.0.0.1"
+    say(f"node B: {'network namespace ' + net.addr('b') if net else 'loopback (' + str(why) + ')'}")
     redis_port, s3_port = free_port(), free_port()
     procs.append(
         spawn(
@@ -306,7 +363,9 @@ def run(
                 "--port",
                 str(redis_port),
                 "--bind",
-                "127.0.0.1",
+                host,
+                "--protected-mode",
+                "no",
                 "--save",
                 "",
                 "--appendonly",
@@ -317,11 +376,11 @@ def run(
     )
     procs.append(
         spawn(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
+            [sys.executable, "-m", "moto.server", "-H", host, "-p", str(s3_port)],
             work / "moto.log",
         )
     )
-    s3_url = f"http://127.0.0.1:{s3_port}"
+    s3_url = f"http://{host}:{s3_port}"
     import boto3
     import httpx
 
@@ -332,15 +391,16 @@ def run(
             break
         time.sleep(0.2)
     boto3.client("s3", endpoint_url=s3_url).create_bucket(Bucket="bench")
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    redis_url = f"redis://{host}:{redis_port}/0"
 
     def agent_cfg(node: str, *, nvme: bool, s3: bool) -> dict[str, Any]:
         c: dict[str, Any] = {
             "node_id": node,
             "redis_url": redis_url,
             "chunk_size": 256,
-            "dram": {"capacity": "512MiB", "slot_bytes": "4MiB"},
-            "agent": {"socket": str(work / f"{node}.sock"), "peer_port": free_port()},
+            "dram": {"capacity": "512MiB"},
+            "agent": {"socket": str(work / f"{node}.sock"), "peer_port": free_port(),
+                      "peer_host": "0.0.0.0"},
         }
         if nvme:
             c["nvme"] = {
@@ -362,7 +422,8 @@ def run(
     a = Agent("node-a", work, agent_cfg("node-a", nvme=True, s3=True))
     agents.append(a.start())
     # The decode servers' connectors connect at start-up, so both agents run first.
-    b = Agent("node-b", work, agent_cfg("node-b", nvme=False, s3=False))
+    on_b = net.prefix("b") if net is not None else []
+    b = Agent("node-b", work, agent_cfg("node-b", nvme=False, s3=False), prefix=on_b)
     agents.append(b.start())
 
     def srv(
@@ -370,6 +431,7 @@ def run(
         kv: dict[str, Any] | None,
         env: dict[str, str] | None = None,
         extra_args: Sequence[str] = (),
+        node_b: bool = False,
     ) -> VllmServer:
         s = VllmServer(
             name,
@@ -383,6 +445,8 @@ def run(
             served_name="bench",
             max_num_seqs=1,
             extra_args=extra_args,
+            host=net.addr("b") if node_b and net is not None else "127.0.0.1",
+            prefix=on_b if node_b else (),
         )
         servers.append(s)
         return s
@@ -400,6 +464,7 @@ def run(
     dec_b = srv(
         "decode-b",
         kv_transfer_config("kv_consumer", store_b, policy="recompute", wait_for_prefill=False),
+        node_b=True,
     )
     ex = srv(
         "example",
@@ -439,6 +504,21 @@ def run(
     say("prefill (stores the prompt's chunks through node-a)")
     cases["prefill_store"] = measure(pre, prompt, 1)
     a.flush()
+    # What saving costs a prefill: kv_producer against the same vLLM without a connector,
+    # alternating on fresh prompts (nothing cached), same worker thread count.
+    pairs = 3 if runs == 1 else 5
+    say(f"producer vs plain vLLM: {pairs} alternating pairs of fresh prompts")
+    plain_s, producer_s = [], []
+    for i in range(pairs):
+        fresh_prompt = [int(x) for x in rng.integers(10, 500, PROMPT_TOKENS)]
+        order = [(rec, plain_s), (pre, producer_s)]
+        for server, into in order if i % 2 == 0 else order[::-1]:
+            into.append(timed(server, fresh_prompt)[0])
+    cases["producer_vs_plain"] = {
+        "plain_s": plain_s, "producer_s": producer_s,
+        "ratio": statistics.median(producer_s) / statistics.median(plain_s),
+    }  # fmt: skip
+    a.flush()
 
     say("DRAM hit (decode on node-a's agent)")
     cases["dram_hit"] = measure(dec_a, prompt, runs)
@@ -473,12 +553,18 @@ def run(
 
     say("peer hit (decode on node-b pulls from node-a over TCP)")
     cases["peer_hit"] = measure(dec_b, prompt, runs, before=fresh(b, dec_b))
+    b_stats = b.stats()
     cases["peer_hit"]["node_b_hits"] = {
-        k: v for k, v in b.stats().items() if k.startswith("tiered_cache_hits_total")
+        k: v for k, v in b_stats.items() if k.startswith("tiered_cache_hits_total")
     }
+    peer_bytes = int(b_stats.get("tiered_cache_read_bytes_total{tier=peer}", 0) / max(1, runs))
+    say(f"raw socket reference: {peer_bytes / 2**20:.1f} MiB from node A to node B over TCP")
+    raw = raw_socket_s(host, on_b, peer_bytes, max(3, runs))
+    cases["raw_socket"] = {"bytes": peer_bytes, "runs_s": raw, "ttft_s": statistics.median(raw),
+                           "link": "veth between network namespaces" if net else "loopback"}
     b.stop()
     a.stop(signal.SIGKILL)  # the peer is gone: only S3 is in common now
-    c = Agent("node-c", work, agent_cfg("node-c", nvme=False, s3=True))
+    c = Agent("node-c", work, agent_cfg("node-c", nvme=False, s3=True), prefix=on_b)
     c.cfg["agent"]["socket"] = b_sock
     agents.append(c.start())
     say("S3 hit (node-c has only S3 in common)")
@@ -514,7 +600,15 @@ def run(
     def ratio(x: float | None, y: float | None) -> float | None:
         return None if x is None or not y else x / y
 
+    dram, raw_s = t("dram_hit"), t("raw_socket")
     out["ratios"] = {
+        "peer_hit_vs_dram_hit": ratio(t("peer_hit"), dram),
+        "s3_hit_vs_dram_hit": ratio(t("s3_hit"), dram),
+        # A peer hit's cost above a DRAM hit, against the link moving the same bytes.
+        "peer_extra_vs_raw_socket": ratio(
+            (t("peer_hit") or 0) - (dram or 0) if t("peer_hit") and dram else None, raw_s
+        ),
+        "producer_vs_plain": cases["producer_vs_plain"]["ratio"],
         "dram_hit_vs_recompute": ratio(t("dram_hit"), r),
         "nvme_hit_vs_recompute": ratio(t("nvme_hit_warm"), r),
         "peer_hit_vs_recompute": ratio(t("peer_hit"), r),

@@ -31,11 +31,12 @@ last token; ``kv_both`` does both (offload and reuse its own prefixes).
     prefill saved (the router passes them on; none when it skipped the prefill);
     ``true``: without such a list, wait for every chunk; ``false``: never wait.
 ``async_load`` ("auto")
-    auto: chunks in this node's DRAM or NVMe load synchronously before the forward pass;
-    chunks on a peer or in S3 are first copied into this node's DRAM by its agent while
-    the request waits in the queue, then load synchronously too (without a DRAM tier
-    they load between steps); true: every load between scheduler steps (the request
-    waits in ``WAITING_FOR_REMOTE_KVS``); false: every load synchronously.
+    auto: chunks in this node's DRAM or NVMe load synchronously before the forward pass
+    (milliseconds); chunks on a peer or in S3 are first copied into its DRAM by the agent
+    while the request waits in the queue (holding no KV blocks), then load the same way
+    (without a DRAM tier they load between steps). true: every load between scheduler
+    steps (the request waits in ``WAITING_FOR_REMOTE_KVS``); false: every load
+    synchronously.
 ``layerwise_save`` (true)
     with a node agent, copy each layer's blocks into reserved DRAM slots as vLLM reports
     the layer done, overlapping the rest of the forward pass; false copies every layer at
@@ -374,10 +375,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._load_enabled = bool(ktc.is_kv_consumer)
         self._role_name = str(ktc.kv_role)
         # "auto": chunks in this node's DRAM or NVMe load synchronously inside the forward
-        # pass (milliseconds). Chunks on a peer or in S3 are first copied into this node's
-        # DRAM by the agent while the request waits in the queue (holding no KV blocks),
-        # then load synchronously too: no worker thread competes with the engine's busy
-        # loop for the GIL. Without a DRAM tier they load asynchronously.
+        # pass (milliseconds). Chunks on a peer or in S3 are first copied into DRAM by the
+        # agent while the request waits in the queue (holding no KV blocks), then load the
+        # same way: no network I/O inside the forward pass, and no worker thread competing
+        # with the engine's busy loop for the GIL.
         mode = str(self._extra.get("async_load", "auto")).strip().lower()
         if mode not in ("auto", "1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ValueError(f"async_load must be auto, true or false, got {mode!r}")
@@ -657,7 +658,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         if w.looked_at < 0 or now - w.looked_at >= self._poll_s:
             w.sources, w.costs = self._lookup_priced(w.keys)
             w.looked_at = now
-            for i, src in enumerate(w.sources):  # a prefetched chunk counts where it came from
+            for i, src in enumerate(w.sources):  # a staged chunk counts where it came from
                 if src not in _LOCAL_SOURCES:
                     w.origin.setdefault(i, src)
             if self._guard.down:  # it just went down
@@ -690,7 +691,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
             w.decided = choice.decision
             self._stats.inc("fetch_decisions", choice.decision)
 
-        # 3. Remote chunks of that prefix: copied into DRAM by the agent meanwhile.
+        # 3. Chunks of that prefix on a peer or in S3: copied into this node's DRAM by the
+        #    agent while the request waits in the queue, so no network I/O happens inside
+        #    the forward pass. A chunk that lands on this node's NVMe instead (evicted by
+        #    a busy DRAM) counts as arrived: local reads cost milliseconds.
         remote = [i for i in range(first, k) if sources[i] not in _LOCAL_SOURCES]
         if remote and self._prefetch_remote():
             ask = [w.keys[i] for i in remote if i not in w.requested]
@@ -716,8 +720,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 k = late[0]  # load what arrived, recompute the rest
                 self._count_once(rid, "fetch_deadline")
                 logger.info(
-                    "req %s: %d remote chunks did not arrive in DRAM within %.0f ms; "
-                    "recomputing from chunk %d", rid, len(late), w.fetch_budget * 1e3, k,
+                    "req %s: %d chunks (from %s) did not arrive in DRAM within %.0f ms; "
+                    "recomputing from chunk %d", rid, len(late),
+                    ",".join(sources[i] for i in late), w.fetch_budget * 1e3, k,
                 )  # fmt: skip
         hit_end = min(spans[k - 1].end, n - 1) if k else 0
         ext = hit_end - num_computed_tokens

@@ -31,7 +31,7 @@ class RecomputeRate:
     ``t = a + b * tokens`` (``SourceEstimator``: forgetting, clipped outliers). Recomputing
     ``n`` more tokens in a step costs the slope: ``b * n``."""
 
-    MIN_SAMPLES = 3
+    MIN_SAMPLES = 2
 
     def __init__(self) -> None:
         self._fit = SourceEstimator()
@@ -78,7 +78,9 @@ def choose_prefix(
 
 def wait_budget_s(cap_s: float, recompute_s: float | None, expected_s: float = 0.0) -> float:
     """How long to wait for chunks on their way: what recomputing them costs (at least
-    twice their expected transfer, at least ``MIN_WAIT_S``), never more than ``cap_s``."""
+    twice their expected transfer, at least ``MIN_WAIT_S``), never more than ``cap_s``.
+    Before the engine has measured its rate: four times the expected transfer when there
+    is one (at least a second), else the cap."""
     if recompute_s is None:
-        return cap_s
+        return cap_s if expected_s <= 0 else min(cap_s, max(1.0, 4 * expected_s))
     return min(cap_s, max(MIN_WAIT_S, recompute_s, 2 * expected_s))

@@ -5,6 +5,8 @@
 
 ``tiny`` (default): 2 layers, hidden 128, 4 heads / 2 KV heads, vocab 512, float32 (tests).
 ``bench``: 12 layers, hidden 1024, 16 heads / 4 KV heads, vocab 512, bfloat16 (TTFT runs).
+``demo``: 8 layers, hidden 512, 8 heads / 4 KV heads, vocab 512, bfloat16: a prefill of a
+thousand tokens costs this kind of CPU around half a second (the demo).
 ``wide``: 6 layers, hidden 256, 4 heads of 256 dims, all KV heads, float32: 48 KiB of KV
 a token, so a 256-token chunk is 12 MiB, the size class of real models (tests).
 ``kvheavy``: 16 layers, hidden 256, 8 heads of 256 dims, all KV heads, bfloat16: 128 KiB
@@ -47,6 +49,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=2816,
         num_hidden_layers=12,
         num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    ),
+    "demo": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
         num_key_value_heads=4,
         vocab_size=512,
         max_position_embeddings=4096,

@@ -378,3 +378,33 @@ async def test_chunk_stored_nowhere_is_counted_and_logged_once(
         assert (await store.get(key(9))) is not None
     finally:
         await store.close()
+
+
+async def test_a_copy_the_directory_names_but_nobody_has_stops_being_offered(
+    s3_server, s3_bucket  # type: ignore[no-untyped-def]
+) -> None:
+    """A dead node's S3 entry in the directory, for an object that is not in this node's
+    bucket: after one prefetch finds nothing, lookups stop offering it, so a reader
+    waiting for it recomputes at once instead of at its deadline."""
+    from tiered_cache.directory import LocalDirectory
+
+    m = Metrics()
+    d = LocalDirectory()
+    store = TieredStore(
+        [TierSlot(dram(4)), TierSlot(S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url,
+                                             region="us-east-1", metrics=m))],
+        node_id="me", directory=d, metrics=m,
+    )  # fmt: skip
+    try:
+        await d.publish("gone-node", "s3", [key(1)], 60)
+        assert await store.lookup([key(1)]) == ["s3"]
+        assert await store.prefetch([key(1)]) == 1
+        await store.flush()
+        assert await store.lookup([key(1)]) == []
+        # A real copy is still found and fetched.
+        await store.slots[1].tier.put(key(2), blob(key(2)))
+        assert await store.prefetch([key(2)]) == 1
+        await store.flush()
+        assert await store.lookup([key(2)]) == ["dram"]
+    finally:
+        await store.close()

@@ -42,6 +42,8 @@ def test_chunks_below_vllms_own_hit_are_not_chosen() -> None:
 
 def test_wait_budget_is_bounded_by_recompute_and_the_cap() -> None:
     assert wait_budget_s(5.0, None) == 5.0  # nothing measured: the cap
+    assert wait_budget_s(5.0, None, expected_s=0.5) == 2.0  # ... or 4x a known transfer
+    assert wait_budget_s(5.0, None, expected_s=0.01) == 1.0
     assert wait_budget_s(5.0, 0.3) == 0.3
     assert wait_budget_s(5.0, 0.3, expected_s=0.2) == 0.4  # twice the transfer
     assert wait_budget_s(5.0, 0.0) == MIN_WAIT_S

@@ -79,13 +79,11 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, t:
 
 
 def _redis(procs: Procs, work: Path) -> str:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 6379), 0.5) as s:
-        s.sendall(b"PING\r\n")
-        if s.recv(16).startswith(b"+PONG"):
-            return "redis://127.0.0.1:6379/0"
+    """A private redis-server for this run: a shared one would hold the locations of
+    earlier runs' chunks (and their S3 objects are gone with their moto server)."""
     exe = shutil.which("redis-server")
     if exe is None:
-        raise RuntimeError("no Redis on 127.0.0.1:6379 and no redis-server to start")
+        raise RuntimeError("no redis-server to start (make setup installs it)")
     port = free_port()
     procs.add(
         "redis",
@@ -143,7 +141,7 @@ def _workload(n_requests: int, seed: int = 0) -> Iterator[tuple[str, str]]:
             if k >= n_requests:
                 return
             hist = convs.get(cid, sysp)
-            hist += f"\nUser: {text(40)}\nAssistant:"
+            hist += f"\nUser: {text(15)}\nAssistant:"
             convs[cid] = hist + f" {text(20)}"
             yield cid, hist
             k += 1
@@ -168,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=12, help="requests to replay")
     ap.add_argument("--workdir", default=str(REPO / ".demo"), help="logs, model, NVMe dir")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--clients", type=int, default=3, help="requests in flight at a time")
+    ap.add_argument("--clients", type=int, default=1, help="requests in flight at a time (the recompute column is measured alone)")
     a = ap.parse_args(argv)
     work = Path(a.workdir)
     if work.exists():  # a fresh run: no chunks or logs from the last one
@@ -194,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     t0 = time.monotonic()
-    model = REPO / ".models" / "tiny-float32"
-    say(f"[1/6] tiny random-weight Llama + tokenizer (offline) -> {model}")
+    model = REPO / ".models" / "demo-bf16"
+    say(
+        f"[1/6] small random-weight Llama (8 layers, hidden 512, bf16: a prefill costs "
+        f"this CPU a noticeable fraction of a second) + tokenizer, offline -> {model}"
+    )
     subprocess.run(
         [
             sys.executable,
@@ -203,9 +204,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
             "--out",
             str(model),
             "--preset",
-            "tiny",
-            "--dtype",
-            "float32",
+            "demo",
         ],
         check=True,
         env=server_env(),
@@ -241,9 +240,9 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
         "node_id": node,
         "chunk_size": 256,
         "redis_url": redis_url,
-        # Small DRAM on purpose: older prefixes get written back to NVMe, so the
-        # table shows hits from more than one tier.
-        "dram": {"capacity": "4MiB", "slot_bytes": "512KiB"},
+        # Small DRAM on purpose (a chunk is 2 MiB): older prefixes get written back to
+        # NVMe, so the table shows hits from more than one tier.
+        "dram": {"capacity": "48MiB"},
         "nvme": {
             "enabled": True,
             "path": str(work / "nvme"),
@@ -262,7 +261,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     cfg_path = work / "tiered-cache.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     say(
-        f"[3/6] node agent {node}: DRAM 4MiB -> NVMe {work / 'nvme'} -> S3 (moto); "
+        f"[3/6] node agent {node}: DRAM 48MiB -> NVMe {work / 'nvme'} -> S3 (moto); "
         f"metrics on :{metrics_port}"
     )
     agent = procs.add(
@@ -291,8 +290,11 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
             str(model),
             free_port(),
             work / "prefill.log",
-            kv_config=kv_transfer_config("kv_producer", store),
+            # kv_both: the prefill also reuses cached prefixes (a follow-up turn computes
+            # only its new tokens) and saves the new chunks.
+            kv_config=kv_transfer_config("kv_both", store, policy="recompute"),
             env={**env_s3, "VLLM_CPU_OMP_THREADS_BIND": "0"},  # one core each
+            dtype="bfloat16",
         ),
     )
     dec = procs.add(
@@ -304,6 +306,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
             work / "decode.log",
             kv_config=kv_transfer_config("kv_consumer", store, policy="recompute"),
             env={**env_s3, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+            dtype="bfloat16",
         ),
     )
     pre.start()
@@ -366,7 +369,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     with concurrent.futures.ThreadPoolExecutor(a.clients) as pool:
         for wave in range(0, len(work_items), a.clients):
             batch = work_items[wave : wave + a.clients]
-            results = list(pool.map(lambda it: _request(rurl, it[1], a.max_tokens), batch))
+            results = list(pool.map(lambda it: _request(rurl, it[1][1], a.max_tokens), batch))
             for (i, (cid, _prompt)), (ttft, usage) in zip(batch, results, strict=True):
                 details = usage.get("prompt_tokens_details") or {}
                 rows.append([i, cid, usage.get("prompt_tokens", 0),

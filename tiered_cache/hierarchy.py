@@ -40,6 +40,9 @@ WriteMode = Literal["write_through", "write_back"]
 PeerFetch = Callable[[str, str], Awaitable[tuple[bytes, float] | None]]
 
 
+MISSED_S = 10.0  # how long a remote copy a fetch could not find is not offered again
+
+
 class PinRefused(ValueError):
     """A pin does not fit the pin budget of one of its tiers."""
 
@@ -113,6 +116,7 @@ class TieredStore:
         self._info: dict[str, EntryInfo] = {}
         self._dropped_logged: set[str] = set()
         self._prefetching: set[str] = set()  # keys being copied into DRAM
+        self._missed: dict[str, float] = {}  # key -> until when no remote copy is offered
         # tier -> key -> ids of pins covering it
         self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
         self._pins: dict[str, Pin] = {}
@@ -365,7 +369,10 @@ class TieredStore:
             for i, src in zip(missing, remote, strict=True):
                 labels[i] = src
         out: list[str] = []
-        for lab in labels:
+        now = time.monotonic()
+        for key, lab in zip(keys, labels, strict=True):
+            if lab in ("peer", "s3") and self._missed.get(key, 0.0) > now:
+                lab = None  # a fetch just found no copy where the directory said
             if lab is None:
                 break
             out.append(lab)
@@ -409,6 +416,13 @@ class TieredStore:
             got = await self.lease(key, expect_fp)
             if isinstance(got, tuple):
                 self.release(got[0])
+            elif got is None:
+                # The directory named a copy that is not there (a dead node's, a bucket
+                # emptied since): lookups stop offering it for a while, so a reader
+                # waiting for it recomputes at its next look instead of at its deadline.
+                if len(self._missed) > 10_000:
+                    self._missed.clear()
+                self._missed[key] = time.monotonic() + MISSED_S
         finally:
             self._prefetching.discard(key)
 
