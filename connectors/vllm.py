@@ -145,6 +145,9 @@ class SaveChunk:
     num_tokens: int
     block_ids: list[int]
     parent: str | None = None  # previous chunk's key (prefix chain), for the store's policies
+    # A block-aligned copy of the prompt's partial tail chunk: what a longer prompt that
+    # extends this one (the next turn of a conversation) can find and load.
+    aligned: bool = False
 
 
 @dataclass
@@ -213,6 +216,8 @@ class _Match:
     origins: list[str]  # where each chunk came from (a prefetched peer chunk: "peer")
     hit_end: int
     is_async: bool  # decided once, from the chunks that will be loaded
+    # The last chunk is an earlier prompt's partial chunk: (index, tokens, key).
+    partial: tuple[int, int, str] | None = None
 
 
 @dataclass
@@ -231,6 +236,9 @@ class _Wait:
     fetch_budget: float = 0.0
     origin: dict[int, str] = field(default_factory=dict)  # chunk -> remote source seen
     requested: set[int] = field(default_factory=set)  # chunks asked to be prefetched
+    probed: bool = False  # looked for an earlier prompt's partial chunk
+    # That chunk, when found: (index, tokens, key, source, expected load seconds).
+    partial: tuple[int, int, str, str, float] | None = None
 
 
 @dataclass
@@ -257,6 +265,7 @@ class _ReqState:
     spans: list[ChunkSpan]
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0
+    tail_key: str | None = None  # key of the block-aligned copy of the partial tail
 
 
 @dataclass
@@ -681,6 +690,20 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 (now - w.t0) * 1e3, hit,
             )  # fmt: skip
 
+        # 1b. The chunk after the found ones may exist as a shorter, block-aligned chunk
+        #     an earlier prompt saved (the previous turn of this conversation).
+        if not w.probed and hit < len(spans) and (hit >= w.coming or w.gave_up):
+            w.probed = True
+            w.partial = self._probe_partial(prompt, self._salt(request), w, spans[hit])
+        keys = list(w.keys)
+        if w.partial is not None and hit == w.partial[0]:
+            idx, ptok, pkey, psrc, pcost = w.partial
+            spans = [*spans[:hit], ChunkSpan(idx, spans[idx].start, spans[idx].start + ptok,
+                                             self._block_size)]  # fmt: skip
+            keys[idx] = pkey
+            sources, costs = [*sources, psrc], [*costs, pcost]
+            hit += 1
+
         # 2. Fetch or recompute: the prefix whose load saves the most time.
         toks = [0 if i < first else s.end - max(s.start, num_computed_tokens)
                 for i, s in enumerate(spans[:hit])]  # fmt: skip
@@ -697,7 +720,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         #    a busy DRAM) counts as arrived: local reads cost milliseconds.
         remote = [i for i in range(first, k) if sources[i] not in _LOCAL_SOURCES]
         if remote and self._prefetch_remote():
-            ask = [w.keys[i] for i in remote if i not in w.requested]
+            ask = [keys[i] for i in remote if i not in w.requested]
             if ask:
                 if w.fetch_t0 is None:
                     w.fetch_t0 = now
@@ -708,7 +731,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
                     )
                 w.requested.update(remote)
                 self._guarded("prefetch", lambda st: st.prefetch(ask, self._fp.digest), 0)  # type: ignore[attr-defined]
-            here = self._in_dram([w.keys[i] for i in remote])
+            here = self._in_dram([keys[i] for i in remote])
             for i, arrived in zip(remote, here, strict=True):
                 if arrived:
                     sources[i] = "dram"
@@ -736,8 +759,37 @@ class TieredCacheConnector(KVConnectorBase_V1):
             self._async_mode == "auto" and any(src not in _LOCAL_SOURCES for src in loaded)
         )
         origins = [w.origin.get(i, sources[i]) for i in range(k)]
-        self._matches[rid] = _Match(num_computed_tokens, sources[:k], origins, hit_end, is_async)
+        partial = None
+        if w.partial is not None and k == w.partial[0] + 1:
+            partial = (w.partial[0], w.partial[1], w.partial[2])
+        self._matches[rid] = _Match(
+            num_computed_tokens, sources[:k], origins, hit_end, is_async, partial
+        )
         return ext, is_async
+
+    def _probe_partial(
+        self, prompt: Sequence[int], salt: str | None, w: _Wait, span: ChunkSpan
+    ) -> tuple[int, int, str, str, float] | None:
+        """The longest block-aligned partial chunk at ``span`` that an earlier prompt
+        saved and this prompt shares (one round trip for every candidate length)."""
+        bs = self._block_size
+        lengths = list(range(((span.num_tokens - 1) // bs) * bs, 0, -bs))
+        if not lengths:
+            return None
+        parent = w.keys[span.index - 1] if span.index else None
+        cands = tc_keys.partial_keys(prompt, self._fp, salt, parent, span.start, lengths)
+        nbytes = self._chunk_bytes * lengths[0] // self._chunk_size
+
+        def probe(st: ChunkStore) -> list[tuple[str, float] | None]:
+            fn = getattr(st, "present", None)
+            return list(fn(cands, nbytes)) if fn is not None else []
+
+        none: list[tuple[str, float] | None] = []
+        for n_tok, key, found in zip(lengths, cands, self._guarded("lookup", probe, none),
+                                     strict=False):  # fmt: skip
+            if found is not None:
+                return span.index, n_tok, key, found[0], found[1]
+        return None
 
     def _prefetch_remote(self) -> bool:
         """Remote chunks go through this node's DRAM (see ``async_load``)."""
@@ -767,6 +819,15 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 self._req_keys(prompt, salt),
                 _chunk_spans(len(prompt), self._chunk_size, self._block_size),
             )
+            tail = st.spans[-1] if st.spans else None
+            bs = self._block_size
+            if tail is not None and tail.num_tokens < self._chunk_size and tail.num_tokens > bs:
+                aligned = tail.num_tokens - tail.num_tokens % bs
+                if aligned != tail.num_tokens:
+                    parent = st.keys[tail.index - 1] if tail.index else None
+                    st.tail_key = tc_keys.partial_keys(
+                        prompt, self._fp, salt, parent, tail.start, [aligned]
+                    )[0]
             self._reqs[rid] = st
             if self._save_enabled:
                 # Chunks already in the cache need no second copy.
@@ -785,7 +846,13 @@ class TieredCacheConnector(KVConnectorBase_V1):
         start = m.num_computed
         end = start + num_external_tokens
         n_hit = len(m.sources)
-        ranges = load_block_ranges(st.spans[:n_hit], start, end)
+        spans, keys = st.spans[:n_hit], st.keys[:n_hit]
+        if m.partial is not None:  # the last one is an earlier prompt's partial chunk
+            idx, ptok, pkey = m.partial
+            spans[idx] = ChunkSpan(idx, spans[idx].start, spans[idx].start + ptok,
+                                   self._block_size)  # fmt: skip
+            keys[idx] = pkey
+        ranges = load_block_ranges(spans, start, end)
         chunks: list[LoadChunk] = []
         by_source: dict[str, int] = {}
         for r in ranges:
@@ -795,7 +862,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
             chunks.append(
                 LoadChunk(
                     index=s.index,
-                    key=st.keys[s.index],
+                    key=keys[s.index],
                     num_tokens=s.num_tokens,
                     n_blocks=s.num_blocks,
                     lo=r.lo - s.first_block,
@@ -815,7 +882,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
             )
         self._hit_sources[rid] = by_source
         self._planned[rid] = {b for c in chunks for b in c.block_ids}
-        st.next_save = max(st.next_save, max((c.index + 1 for c in chunks), default=0))
+        # Loaded chunks need no saving; a partial one does (its full chunk is new).
+        full = [c.index + 1 for c in chunks if m.partial is None or c.index != m.partial[0]]
+        st.next_save = max(st.next_save, max(full, default=0))
         # Sync or async as get_num_new_matched_tokens told vLLM: a job vLLM waits for in
         # WAITING_FOR_REMOTE_KVS must be reported by get_finished, so it must run async.
         is_async = m.is_async
@@ -906,6 +975,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 break
             if s.num_tokens < self._chunk_size and not self._save_unfull:
                 break  # the partial tail chunk stays out of the cache
+            parent = st.keys[s.index - 1] if s.index else None
             meta.saves.append(
                 SaveChunk(
                     st.req_id,
@@ -913,9 +983,16 @@ class TieredCacheConnector(KVConnectorBase_V1):
                     st.keys[s.index],
                     s.num_tokens,
                     st.block_ids[s.first_block : s.end_block],
-                    st.keys[s.index - 1] if s.index else None,
+                    parent,
                 )
             )
+            if st.tail_key is not None and s.index == len(st.spans) - 1:
+                n_al = s.num_tokens - s.num_tokens % self._block_size
+                meta.saves.append(SaveChunk(
+                    st.req_id, s.index, st.tail_key, n_al,
+                    st.block_ids[s.first_block : s.first_block + n_al // self._block_size],
+                    parent, aligned=True,
+                ))  # fmt: skip
             st.next_save += 1
             added = True
         if added and self._tp_world > 1:
@@ -1317,6 +1394,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 toks, salt = meta.save_tokens[s.req_id]
                 ks = self._req_keys(toks, salt)
                 key, parent = ks[s.index], (ks[s.index - 1] if s.index else None)
+                if s.aligned:
+                    key = tc_keys.partial_keys(toks, self._fp, salt, parent,
+                                               s.index * self._chunk_size, [s.num_tokens])[0]
             if key not in seen:
                 seen.add(key)
                 todo.append((s, key, parent))

@@ -258,11 +258,12 @@ def prefill(mod: Any, store: MemoryChunkStore) -> Node:
         (0, 64, P_BLOCKS[0:4]),
         (1, 64, P_BLOCKS[4:8]),
         (2, 22, P_BLOCKS[8:10]),
+        (2, 16, P_BLOCKS[8:9]),  # the tail's whole blocks, for prompts that extend it
     ]
     done, params = p.sched.request_finished(req, P_BLOCKS)
     assert done is False
     assert params["tiered_cache"]["chunks"] == 3
-    assert len(store._data) == 3
+    assert len(store._data) == 4  # and the tail's block-aligned copy
     return p
 
 
@@ -296,7 +297,9 @@ def test_producer_saves_progressively_with_chunked_prefill(
         total_num_scheduled_tokens=70,
     )
     m2 = p.step(so)
-    assert [(s.index, s.block_ids) for s in m2.saves] == [(1, P_BLOCKS[4:8]), (2, P_BLOCKS[8:])]
+    assert [(s.index, s.block_ids) for s in m2.saves] == [
+        (1, P_BLOCKS[4:8]), (2, P_BLOCKS[8:]), (2, P_BLOCKS[8:9])
+    ]
 
 
 def test_consumer_loads_all_but_last_token(vllm_mod: Any, store: MemoryChunkStore) -> None:
@@ -538,7 +541,7 @@ def test_kv_both_reuses_its_own_prefix(vllm_mod: Any, store: MemoryChunkStore) -
     _, errors = n.finish_loads()
     assert errors == set()
     meta2 = n.step(sched_output([(req2, [*D_BLOCKS, 50, 51], 128, len(longer) - 128)]))
-    assert [s.index for s in meta2.saves] == [2]
+    assert [(s.index, s.aligned) for s in meta2.saves] == [(2, False), (2, True)]
 
 
 def test_chunk_size_must_be_a_multiple_of_the_block_size(vllm_mod: Any, store: Any) -> None:
@@ -560,7 +563,7 @@ def test_metrics_move_after_save_and_load(vllm_mod: Any, store: MemoryChunkStore
 
     p = prefill(vllm_mod, store)
     saved = p.worker.get_kv_connector_stats()
-    assert counters(saved)["stored_chunks"] == {"": 3}
+    assert counters(saved)["stored_chunks"] == {"": 4}
     assert counters(saved)["stored_bytes"][""] == sum(
         codec.decode(raw)[1].nbytes for raw in store._data.values()
     )
@@ -822,7 +825,7 @@ def test_zero_copy_save_is_copied_out_before_wait_for_save_returns(
     req = FakeRequest("p1", PROMPT)
     p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
     meta = p.sched.build_connector_meta(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
-    assert len(meta.saves) == 3
+    assert len(meta.saves) == 4
     p.worker.bind_connector_metadata(meta)
     with torch.inference_mode():  # vLLM runs the forward pass (and these hooks) in it
         for i in range(LAYERS):  # what vLLM's attention wrapper does after each layer
@@ -836,7 +839,7 @@ def test_zero_copy_save_is_copied_out_before_wait_for_save_returns(
     p.worker.drain_saves()
     stats = p.worker.get_kv_connector_stats()
     assert stats is not None and not stats.data["counters"].get("store_errors"), stats.data
-    assert stats.data["counters"]["stored_chunks"] == {"": 3}
+    assert stats.data["counters"]["stored_chunks"] == {"": 4}
     p.worker.clear_connector_metadata()
     p.sched.request_finished(req, P_BLOCKS)
 
@@ -974,7 +977,7 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
         assert "Traceback" not in caplog.text
         c = counters(d.sched.get_kv_connector_stats())
         assert c["recompute_fallbacks"] == {"unavailable": 21}
-        assert counters(p.worker.get_kv_connector_stats())["saves_skipped"] == {"": 3}
+        assert counters(p.worker.get_kv_connector_stats())["saves_skipped"] == {"": 4}
         # The agent comes back: after the backoff the next request finds it again.
         agent = spawn_agent(cfg, timeout=30, stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)  # fmt: skip
@@ -995,3 +998,34 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
             n.worker.shutdown()
         agent.kill()
         agent.wait(10)
+
+
+def test_a_longer_prompt_loads_the_block_aligned_tail_of_an_earlier_one(
+    vllm_mod: Any, agent_store: dict[str, Any]
+) -> None:
+    """The next turn of a conversation extends the previous prompt. Its chunk at the
+    previous prompt's tail is a different (longer) chunk, but the prefill also saved the
+    tail's whole blocks: the next turn loads them too, instead of recomputing them."""
+    p = agent_node(vllm_mod, "kv_both", 1, agent_store)
+    req = FakeRequest("p1", PROMPT)  # 150 tokens: chunks of 64, 64 and a 22-token tail
+    p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    meta = p.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+    assert [(s.index, s.num_tokens, s.aligned) for s in meta.saves] == [
+        (0, 64, False), (1, 64, False), (2, 22, False), (2, 16, True)
+    ]
+    p.sched.request_finished(req, P_BLOCKS)
+    longer = [*PROMPT, *range(600, 640)]  # the next turn: 190 tokens
+    d = agent_node(vllm_mod, "kv_both", 2, agent_store, zero=True)
+    dreq = FakeRequest("d1", longer)
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (128 + 16, False)
+    blocks = [*D_BLOCKS, 50, 51]
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(blocks), 144)
+    load = d.step(sched_output([])).loads[0]
+    assert [(c.index, c.num_tokens) for c in load.chunks] == [(0, 64), (1, 64), (2, 16)]
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    for li in range(LAYERS):
+        assert torch.equal(d.layers[li][blocks[:9]], p.layers[li][P_BLOCKS[:9]])
+    # The longer prompt's own chunk 2 is new: it is saved once its tokens are computed.
+    meta2 = d.step(sched_output([(dreq, blocks, 144, len(longer) - 144)]))
+    assert [(s.index, s.num_tokens, s.aligned) for s in meta2.saves] == [(2, 62, False),
+                                                                         (2, 48, True)]

@@ -540,6 +540,9 @@ class NodeAgent:
                 srcs, costs = await store.lookup_priced(msg["keys"], int(msg.get("nbytes") or 0))
                 return {"sources": srcs, "costs": costs}
             return {"sources": await store.lookup(msg["keys"])}
+        if op == "present":  # each key on its own: [source, expected seconds] or None
+            found = await store.present(msg["keys"], int(msg.get("nbytes") or 0))
+            return {"found": [None if f is None else list(f) for f in found]}
         if op == "prefetch":  # copy remote / lower-tier chunks into DRAM, in the background
             return {"started": await store.prefetch(msg["keys"], msg.get("fp"))}
         if op == "locate":  # nodes holding each key in DRAM/NVMe (for cache-aware routing)

@@ -216,6 +216,16 @@ class AgentClient:
         )  # fmt: skip
         return list(r["sources"]), [float(c) for c in r["costs"]]
 
+    def present(
+        self, keys: Sequence[str], nbytes: int = 0
+    ) -> list[tuple[str, float] | None]:
+        """Each key on its own (no prefix rule): (source, expected load seconds) or None."""
+        if not keys:
+            return []
+        r = self._retry(lambda: self._call({"op": "present", "keys": list(keys),
+                                            "nbytes": int(nbytes)}))  # fmt: skip
+        return [None if f is None else (str(f[0]), float(f[1])) for f in r["found"]]
+
     def prefetch(self, keys: Sequence[str], fingerprint: bytes | None = None) -> int:
         """Have the agent copy ``keys`` into its DRAM in the background (from NVMe, a peer
         or S3); poll ``in_dram``. Returns how many copies it started."""

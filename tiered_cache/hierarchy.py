@@ -351,6 +351,26 @@ class TieredStore:
 
     async def lookup(self, keys: Sequence[str]) -> list[str]:
         """Source label of each leading key that is loadable, nearest first."""
+        out: list[str] = []
+        for lab in await self._labels(keys):
+            if lab is None:
+                break
+            out.append(lab)
+            self.metrics.lookups.labels(lab).inc()
+        return out
+
+    async def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float] | None]:
+        """For each key on its own (no prefix rule): its nearest source and the expected
+        seconds to load it from there, or None. For alternatives, e.g. the partial
+        chunks a longer prompt may share with an earlier one."""
+        labels = await self._labels(keys)
+        return [
+            None if lab is None else (lab, self._expected_s(key, lab, nbytes))
+            for key, lab in zip(keys, labels, strict=True)
+        ]
+
+    async def _labels(self, keys: Sequence[str]) -> list[str | None]:
+        """Nearest source of each key (None: found nowhere), prefix rule not applied."""
         if not keys:
             return []
         local_slots = [s for s in self.slots if s.name != "s3"]
@@ -368,16 +388,11 @@ class TieredStore:
             remote = await self._remote_sources([keys[i] for i in missing])
             for i, src in zip(missing, remote, strict=True):
                 labels[i] = src
-        out: list[str] = []
         now = time.monotonic()
-        for key, lab in zip(keys, labels, strict=True):
-            if lab in ("peer", "s3") and self._missed.get(key, 0.0) > now:
-                lab = None  # a fetch just found no copy where the directory said
-            if lab is None:
-                break
-            out.append(lab)
-            self.metrics.lookups.labels(lab).inc()
-        return out
+        return [
+            None if lab in ("peer", "s3") and self._missed.get(key, 0.0) > now else lab
+            for key, lab in zip(keys, labels, strict=True)
+        ]  # a remote copy a fetch just could not find is not offered
 
     async def lookup_priced(
         self, keys: Sequence[str], nbytes: int = 0
@@ -385,14 +400,17 @@ class TieredStore:
         """``lookup``, with the expected seconds to load each found chunk from its source
         (``estimates``; ``nbytes``: the chunk size to price chunks of unknown size at)."""
         sources = await self.lookup(keys)
-        typical = nbytes or self._typical_bytes or 2**20
-        costs: list[float] = []
-        for key, src in zip(keys, sources, strict=False):
-            slot = self.by_name.get(src)
-            size = (slot.tier.size_of(key) if slot is not None else None) or typical
-            costs.append(self._best_peer_s(size) if src == "peer" else
-                         self.estimates.expected_s(src, size))  # fmt: skip
+        costs = [self._expected_s(k, src, nbytes) for k, src in zip(keys, sources, strict=False)]
         return sources, costs
+
+    def _expected_s(self, key: str, source: str, nbytes: int) -> float:
+        slot = self.by_name.get(source)
+        size = (slot.tier.size_of(key) if slot is not None else None) or (
+            nbytes or self._typical_bytes or 2**20
+        )
+        if source == "peer":
+            return self._best_peer_s(size)
+        return self.estimates.expected_s(source, size)
 
     async def prefetch(self, keys: Sequence[str], expect_fp: bytes | None = None) -> int:
         """Start copying ``keys`` that live below DRAM or on other nodes into DRAM, in the

@@ -114,6 +114,28 @@ def chunk_keys(
     return keys
 
 
+def partial_keys(
+    tokens: Sequence[int] | np.ndarray,
+    fp: ModelFingerprint,
+    cache_salt: str | None,
+    parent_key: str | None,
+    start: int,
+    lengths: Sequence[int],
+) -> list[str]:
+    """Keys of partial chunks ``tokens[start : start + n]`` for each ``n`` in ``lengths``,
+    chained from ``parent_key`` (the previous chunk's key; None for the first chunk).
+
+    A partial tail chunk saved by an earlier, shorter prompt has such a key: a longer
+    prompt that shares those tokens finds it by asking for these keys (connector: the
+    block-aligned tails of multi-turn conversations)."""
+    arr = _as_int32_bytes(tokens)
+    parent = bytes.fromhex(parent_key) if parent_key else root_digest(fp, cache_salt)
+    return [
+        hashlib.sha256(parent + arr[start : start + n].tobytes()).digest()[:KEY_BYTES].hex()
+        for n in lengths
+    ]
+
+
 def chunk_spans(
     num_tokens: int, chunk_size: int, include_partial: bool = False
 ) -> list[tuple[int, int]]:

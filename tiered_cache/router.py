@@ -201,8 +201,19 @@ class Router:
     async def _prompt_keys(self, path: str, body: dict[str, Any]) -> list[str] | None:
         """Chunk keys of the prompt, when the model's fingerprint is known."""
         fpp = self.fingerprints.get(str(body.get("model")))
+        if fpp is None or self.cache is None:
+            return None
+        fp = ModelFingerprint(**{k: fpp[k] for k in FINGERPRINT_FIELDS})
+        prompt = body.get("prompt")
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            # Token ids already: no tokenizing round trip.
+            return chunk_keys(prompt[:-1], fp, cache_salt=body.get("cache_salt"))
         dec = next((b for b in self.decode if b.healthy), None)  # any one can tokenize
-        if fpp is None or dec is None or self.cache is None:
+        if dec is None:
             return None
         req: dict[str, Any] = {"model": body.get("model")}
         if path.endswith("chat/completions"):
@@ -211,9 +222,8 @@ class Router:
                 if k in body:
                     req[k] = body[k]
         else:
-            prompt = body.get("prompt")
             if not isinstance(prompt, str):
-                return None  # token-id or batched prompts: no cache-aware routing
+                return None  # batched prompts: no cache-aware routing
             req["prompt"] = prompt
         try:
             async with self.session.post(dec.url + "/tokenize", json=req) as r:
@@ -222,7 +232,6 @@ class Router:
                 toks = (await r.json())["tokens"]
         except (aiohttp.ClientError, KeyError, asyncio.TimeoutError):
             return None
-        fp = ModelFingerprint(**{k: fpp[k] for k in FINGERPRINT_FIELDS})
         # vLLM always computes the last prompt token itself: only whole chunks of the
         # first n-1 tokens can come from the cache.
         return chunk_keys(toks[:-1], fp, cache_salt=body.get("cache_salt"))

@@ -56,7 +56,7 @@ def text_prompt(seed: int, words: int = 260) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def completion_body(prompt: str, **extra: Any) -> dict[str, Any]:
+def completion_body(prompt: str | list[int], **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": "tiny",
         "prompt": prompt,
@@ -306,6 +306,20 @@ def test_same_prompt_again_skips_prefill(pd: PD) -> None:
     assert after["per_backend"].get(pd.prefill.url) == before["per_backend"].get(pd.prefill.url)
     assert after["per_backend"][pd.decode.url] == before["per_backend"][pd.decode.url] + 1
     print(f"[router] repeat: prefill skipped, cached {got.cached_tokens}/{n_prompt}")
+
+
+def test_token_id_prompt_is_routed_by_the_cache_too(pd: PD) -> None:
+    """A prompt given as token ids needs no tokenizing: the router computes its keys
+    directly, and the second time skips the prefill."""
+    toks = [(i * 7919) % 500 + 6 for i in range(700)]
+    ref = parse(pd.mono.completion(toks, max_tokens=GEN_TOKENS))
+    first = parse(pd.router.post("/v1/completions", completion_body(toks)))
+    assert_same_generation(ref, first)
+    before = pd.router.stats()
+    got = parse(pd.router.post("/v1/completions", completion_body(toks)))
+    assert_same_generation(ref, got)
+    assert pd.router.stats()["prefill_skipped"] == before["prefill_skipped"] + 1
+    assert got.cached_tokens is not None and got.cached_tokens >= 512
 
 
 def test_streaming_completion_yields_the_same_tokens(pd: PD) -> None:

