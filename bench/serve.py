@@ -359,6 +359,9 @@ def run_load(
         "request_goodput": res.get("request_goodput"),
         "ttft_ms": {p: res.get(f"{p}_ttft_ms") for p in ("median", "p90", "p99")},
         "tpot_ms": {p: res.get(f"{p}_tpot_ms") for p in ("median", "p90", "p99")},
+        # Inter-token latency: a long prefill that lands between two decode steps shows
+        # here (a per-request mean, TPOT, spreads it over the whole answer).
+        "itl_ms": {p: res.get(f"{p}_itl_ms") for p in ("median", "p90", "p99")},
         "ttfts_s": ttfts, "tpots_s": tpots,
         "texts": res["generated_texts"], "errors": len(errors),
         "latencies_s": res["latencies"],
@@ -572,6 +575,7 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
     res = out["results"]
     ref = res.get("mono") or {}
     mismatches = stalls = errors = 0
+    ours = ("ours", "pd")  # the stalls that count are our deployments' (LMCache's: listed)
     for name, r in res.items():
         if not isinstance(r, dict) or "error" in r:
             continue
@@ -588,7 +592,8 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
                 1 for t, tb in zip(v["ttfts_s"], base["ttfts_s"], strict=True)
                 if t and tb and t > 2 * tb
             )  # fmt: skip
-            stalls += v["stalls"]
+            if name in ours:
+                stalls += v["stalls"]
 
     def metric(name: str, label: str, key: str, sub: str | None = None) -> float | None:
         v = (res.get(name) or {}).get(label)
@@ -618,6 +623,9 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
         "tpot_p99_pd_vs_monolithic_mixed": ratio(metric("pd", mixed, "tpot_ms", "p99"),
                                                  metric("mono", mixed, "tpot_ms", "p99"))
         if mixed else None,
+        "itl_p99_pd_vs_monolithic_mixed": ratio(metric("pd", mixed, "itl_ms", "p99"),
+                                                metric("mono", mixed, "itl_ms", "p99"))
+        if mixed else None,
         "throughput_ours_vs_monolithic": ratio(
             metric(ours_best, main_label, "request_throughput"),
             metric("mono", main_label, "request_throughput")),
@@ -628,6 +636,10 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
             kill["after_kill"]["throughput"], metric("mono", main_label, "request_throughput"))
     out["main_load"] = main_label
     out["stalls"], out["mismatches"], out["errors"] = stalls, mismatches, errors
+    out["stalls_by_deployment"] = {
+        name: sum(v.get("stalls", 0) for v in r.values() if isinstance(v, dict))
+        for name, r in res.items() if name != "mono" and isinstance(r, dict) and "error" not in r
+    }  # fmt: skip
 
 
 def plot(out: dict[str, Any], dest: Path) -> None:
