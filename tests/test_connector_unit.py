@@ -237,7 +237,7 @@ class Node:
             _, recv = self.worker.get_finished(set())
             errors |= self.worker.get_block_ids_with_load_errors()
             done |= recv or set()
-            if not self.worker._inflight:
+            if not self.worker.worker._inflight:
                 return done, errors
             time.sleep(0.005)
         raise TimeoutError("loads did not finish")
@@ -349,7 +349,7 @@ def test_corrupted_chunk_reports_its_blocks_and_later_ones(
     req = FakeRequest("d1", PROMPT)
     n, _ = d.sched.get_num_new_matched_tokens(req, 0)
     d.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), n)
-    key1 = d.sched._reqs["d1"].keys[1]
+    key1 = d.sched.scheduler._reqs["d1"].keys[1]
     raw = bytearray(store._data[key1])
     raw[-5] ^= 0x40  # one flipped bit in the payload of chunk 1
     store._data[key1] = bytes(raw)
@@ -377,7 +377,7 @@ def test_header_mismatch_is_refused(vllm_mod: Any, store: MemoryChunkStore) -> N
     n, is_async = d.sched.get_num_new_matched_tokens(req, 0)
     assert is_async is False
     d.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), n)
-    key0 = d.sched._reqs["d1"].keys[0]
+    key0 = d.sched.scheduler._reqs["d1"].keys[0]
     meta, payload = codec.decode(store._data[key0])
     # Same key and fingerprint, but written by a node with another block size.
     bad = codec.ChunkMeta(**{**meta.__dict__, "block_size": 32})
@@ -397,7 +397,7 @@ def test_consumer_waits_only_for_the_chunks_its_prefill_saved(
 ) -> None:
     d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0.3,
              lookup_poll_s=0, async_load=True)
-    keys = d.sched._req_keys(PROMPT, None)
+    keys = d.sched.scheduler._req_keys(PROMPT, None)
     req = FakeRequest("d1", PROMPT, kv_transfer_params=hint(keys))
     d.sched.on_new_request(req)
     assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later
@@ -406,7 +406,7 @@ def test_consumer_waits_only_for_the_chunks_its_prefill_saved(
     # A prefill that said it saved chunks that never land: wait out the budget (here the
     # cap: this engine has measured no prefill yet), then recompute.
     other = list(range(300, 400))
-    req2 = FakeRequest("d2", other, kv_transfer_params=hint(d.sched._req_keys(other, None)))
+    req2 = FakeRequest("d2", other, kv_transfer_params=hint(d.sched.scheduler._req_keys(other, None)))
     d.sched.on_new_request(req2)
     assert d.sched.get_num_new_matched_tokens(req2, 0) == (None, False)
     time.sleep(0.35)
@@ -431,10 +431,10 @@ def test_consumer_never_waits_for_chunks_nobody_is_saving(
     assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     # Two of three chunks present, the prefill saved those two: load them, no waiting.
     p = prefill(vllm_mod, store)
-    tail = p.sched._req_keys(PROMPT, None)[2]
+    tail = p.sched.scheduler._req_keys(PROMPT, None)[2]
     del store._data[tail]
     req2 = FakeRequest("d2", PROMPT, kv_transfer_params=params or hint(
-        p.sched._req_keys(PROMPT, None)[:2]))  # fmt: skip
+        p.sched.scheduler._req_keys(PROMPT, None)[:2]))  # fmt: skip
     d.sched.on_new_request(req2)
     assert d.sched.get_num_new_matched_tokens(req2, 0) == (128, False)
 
@@ -629,7 +629,7 @@ def test_fallback_reasons_are_counted(vllm_mod: Any, store: MemoryChunkStore) ->
     req = FakeRequest("d1", PROMPT)
     n, _ = d.sched.get_num_new_matched_tokens(req, 0)
     d.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), n)
-    key0 = d.sched._reqs["d1"].keys[0]
+    key0 = d.sched.scheduler._reqs["d1"].keys[0]
     meta, payload = codec.decode(store._data[key0])
     store.put_many([(codec.ChunkMeta(**{**meta.__dict__, "block_size": 32}), bytes(payload))])
     d.step(sched_output([]))
@@ -645,7 +645,7 @@ def test_fallback_reasons_are_counted(vllm_mod: Any, store: MemoryChunkStore) ->
     # A consumer that waited for a prefill that never came: "deadline", counted once.
     w = Node(vllm_mod, "kv_consumer", seed=2, load_wait_timeout_s=0.05, lookup_poll_s=0)
     other = list(range(300, 400))
-    req3 = FakeRequest("d3", other, kv_transfer_params=hint(w.sched._req_keys(other, None)))
+    req3 = FakeRequest("d3", other, kv_transfer_params=hint(w.sched.scheduler._req_keys(other, None)))
     w.sched.on_new_request(req3)
     assert w.sched.get_num_new_matched_tokens(req3, 0) == (None, False)
     time.sleep(0.06)
@@ -731,7 +731,7 @@ def test_pin_by_model_uses_the_registered_fingerprint(
     r = cli("pin", "add", "-c", cfg, "--model", "unit/tiny", "--tokens", toks, "--json")
     assert r.exit_code == 0, r.output
     info = json.loads(r.output)
-    assert info["fingerprints"] == [p.sched._fp.hex]
+    assert info["fingerprints"] == [p.sched.scheduler._fp.hex]
     pins = yaml.safe_load(cli("pin", "export", "-c", cfg).output)["pins"]
     pinned = next(x for x in pins if x["id"] == info["id"])["keys"]
     assert pinned == written[:2]  # exactly the connector's full chunks (the tail is not pinned)
@@ -759,11 +759,11 @@ def test_load_log_and_metrics_name_the_serving_tier(
     dreq = FakeRequest("d1", PROMPT)
     n, _ = d.sched.get_num_new_matched_tokens(dreq, 0)
     d.sched.update_state_after_alloc(dreq, FakeBlocks(D_BLOCKS), n)
-    assert {c.source for c in d.sched._pending_loads[0].chunks} == {"dram"}  # the lookup's
+    assert {c.source for c in d.sched.scheduler._pending_loads[0].chunks} == {"dram"}  # the lookup's
     # Between lookup and load the chunks leave DRAM; NVMe (written through) serves them.
-    admin = d.sched._open_store()
+    admin = d.sched.scheduler._open_store()
     admin.admin("flush")
-    for k in d.sched._reqs["d1"].keys:
+    for k in d.sched.scheduler._reqs["d1"].keys:
         admin.admin("evict", key=k, tiers=["dram"])
     with caplog.at_level(logging.INFO):
         d.step(sched_output([]))
@@ -830,7 +830,7 @@ def test_zero_copy_save_is_copied_out_before_wait_for_save_returns(
     with torch.inference_mode():  # vLLM runs the forward pass (and these hooks) in it
         for i in range(LAYERS):  # what vLLM's attention wrapper does after each layer
             p.worker.save_kv_layer(f"model.layers.{i}.self_attn.attn", p.layers[i], None)
-        step = p.worker._step_save
+        step = p.worker.worker._step_save
         assert (step is not None and step.res is not None) is layerwise  # slots reserved
         assert step is None or len(step.layers) == LAYERS
         p.worker.wait_for_save()
@@ -886,9 +886,9 @@ def test_remote_chunks_are_copied_into_dram_then_loaded_inside_the_forward(
         req = FakeRequest("p1", PROMPT)
         p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
         p.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
-        admin = p.sched._open_store()
+        admin = p.sched.scheduler._open_store()
         admin.admin("flush")  # the write-through copies reached S3
-        for k in p.sched._reqs["p1"].keys:
+        for k in p.sched.scheduler._reqs["p1"].keys:
             admin.admin("evict", key=k, tiers=["dram"])
         d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, **extra)
         nodes.append(d)
@@ -947,33 +947,33 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
         nodes += [p, d]
         clock = FakeClock()
         for n in nodes:
-            n.sched._guard.clock = n.worker._guard.clock = clock
+            n.sched.scheduler._guard.clock = n.worker.worker._guard.clock = clock
         agent.send_signal(signal.SIGKILL)
         agent.wait(10)
-        before = d.sched._guard.attempts
+        before = d.sched.scheduler._guard.attempts
         with caplog.at_level(logging.WARNING, logger="vllm.connectors.tiered_cache"):
             for i in range(20):  # a burst of requests, each waiting for its prefill's chunks
-                keys = d.sched._req_keys([*PROMPT, i], None)
+                keys = d.sched.scheduler._req_keys([*PROMPT, i], None)
                 r = FakeRequest(f"d{i}", [*PROMPT, i], kv_transfer_params=hint(keys))
                 d.sched.on_new_request(r)
                 assert d.sched.get_num_new_matched_tokens(r, 0) == (0, False)
-            assert d.sched._guard.attempts - before == 1  # the first found it down
+            assert d.sched.scheduler._guard.attempts - before == 1  # the first found it down
             preq = FakeRequest("p1", PROMPT)
             p.sched.update_state_after_alloc(preq, FakeBlocks(P_BLOCKS), 0)
             p.step(sched_output([(preq, P_BLOCKS, 0, len(PROMPT))]))
             assert p.sched.request_finished(preq, P_BLOCKS)[1]["tiered_cache"]["keys"] == []
             clock.t += 0.3  # past the first backoff: one probe (off the request's path)
-            keys = d.sched._req_keys(PROMPT, None)
+            keys = d.sched.scheduler._req_keys(PROMPT, None)
             r = FakeRequest("dx", PROMPT, kv_transfer_params=hint(keys))
             for _ in range(5):
                 assert d.sched.get_num_new_matched_tokens(r, 0) == (0, False)
-            d.sched._probe.join(10)
-            assert d.sched._guard.attempts - before == 2 and d.sched._guard.down
+            d.sched.scheduler._probe.join(10)
+            assert d.sched.scheduler._guard.attempts - before == 2 and d.sched.scheduler._guard.down
         # One line per connector that found it down (decode scheduler, prefill scheduler
         # and worker), however many calls each made.
         down = [r for r in caplog.records if "unavailable" in r.getMessage()]
         assert len(down) == 3, [r.getMessage() for r in caplog.records]
-        assert [g.outages for g in (d.sched._guard, p.sched._guard, p.worker._guard)] == [1] * 3
+        assert [g.outages for g in (d.sched.scheduler._guard, p.sched.scheduler._guard, p.worker.worker._guard)] == [1] * 3
         assert "Traceback" not in caplog.text
         c = counters(d.sched.get_kv_connector_stats())
         assert c["recompute_fallbacks"] == {"unavailable": 21}
@@ -987,11 +987,11 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
             r2 = FakeRequest("d-back", PROMPT)
             # This request does not wait for the probe; the next one uses the cache.
             assert d.sched.get_num_new_matched_tokens(r2, 0) == (0, False)
-            d.sched._probe.join(10)
+            d.sched.scheduler._probe.join(10)
         assert any("is back" in r.getMessage() for r in caplog.records)
-        assert not d.sched._guard.down
-        assert d.sched._lookup(keys) == []  # answered by the agent (a plain miss)
-        assert not d.sched._guard.down
+        assert not d.sched.scheduler._guard.down
+        assert d.sched.scheduler._lookup(keys) == []  # answered by the agent (a plain miss)
+        assert not d.sched.scheduler._guard.down
     finally:
         for n in nodes:
             n.sched.shutdown()

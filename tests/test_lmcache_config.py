@@ -665,7 +665,7 @@ def test_connector_takes_chunk_size_and_unfull_chunk_from_lmcache_yaml(
     p = write(tmp_path, "chunk_size: 32\nsave_unfull_chunk: false\nmax_local_cpu_size: 1\n")
     monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(p))
     sched = _scheduler_connector({})
-    assert sched._chunk_size == 32
+    assert sched.scheduler._chunk_size == 32
     prompt = list(range(100, 250))  # 150 tokens: 4 chunks of 32 and a 22-token tail
     req = FakeRequest("p1", prompt)
     blocks = list(range(20, 30))
@@ -677,7 +677,7 @@ def test_connector_takes_chunk_size_and_unfull_chunk_from_lmcache_yaml(
     sched.shutdown()
     # kv_connector_extra_config still wins over the file.
     other = _scheduler_connector({"chunk_size": 64, "save_unfull_chunk": True})
-    assert other._chunk_size == 64 and other._save_unfull
+    assert other.scheduler._chunk_size == 64 and other.scheduler._save_unfull
     other.shutdown()
 
 

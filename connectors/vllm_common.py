@@ -1,0 +1,347 @@
+"""What both halves of the vLLM connector share: the model identity (fingerprint), the
+settings read from ``kv_connector_extra_config``, and guarded access to the node agent
+(a circuit breaker: an agent that is down costs requests nothing).
+
+``connectors.vllm`` is the facade vLLM loads; ``connectors.vllm_scheduler`` and
+``connectors.vllm_worker`` are its two halves, each a ``ConnectorBase``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.logger import init_logger
+
+from connectors.vllm_kvio import dtype_name
+from connectors.vllm_metrics import StatsRecorder
+from tiered_cache import keys as tc_keys
+from tiered_cache.api import ChunkStore
+from tiered_cache.breaker import Breaker
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# Under the "vllm" logger so vLLM's handler and level apply.
+logger = init_logger("vllm.connectors.tiered_cache")
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Identity:
+    fingerprint: tc_keys.ModelFingerprint
+    kv_layout: str  # header field (<= 8 bytes)
+    block_size: int
+    dtype: str
+
+
+# Sources a load reads in milliseconds: loaded inside the forward pass under "auto".
+_LOCAL_SOURCES = frozenset({"dram", "nvme"})
+
+
+def _as_bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+def _single_group_spec(kv_cache_config: KVCacheConfig) -> Any:
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ValueError(
+            f"TieredCacheConnector supports models with exactly one KV cache group "
+            f"(got {len(groups)}); hybrid/sliding-window models are not supported"
+        )
+    return groups[0]
+
+
+def build_identity(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    extra: Mapping[str, Any],
+    tp_rank: int = 0,
+) -> _Identity:
+    """Everything that must match between writer and reader, from the vLLM config.
+
+    Both roles build it from the same inputs, so the scheduler's keys equal rank 0's.
+    """
+    group = _single_group_spec(kv_cache_config)
+    spec = group.kv_cache_spec
+    block_size = int(spec.block_size)
+    chunk_size = int(extra.get("chunk_size", tc_keys.DEFAULT_CHUNK_SIZE))
+    if chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(
+            f"TieredCacheConnector: chunk_size={chunk_size} must be a positive multiple of "
+            f"vLLM's KV block size ({block_size}); set kv_connector_extra_config.chunk_size "
+            f"to a multiple of {block_size}, or change --block-size"
+        )
+    spec_dtype = getattr(spec, "dtype", None)
+    if isinstance(spec_dtype, torch.dtype):
+        dtype = dtype_name(spec_dtype)
+    else:
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        dtype = (
+            cache_dtype
+            if cache_dtype != "auto"
+            else dtype_name(vllm_config.model_config.dtype)  # type: ignore[arg-type]
+        )
+    layout = (
+        getattr(kv_cache_config, "kv_cache_layout", None)
+        or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+        or os.environ.get("VLLM_KV_CACHE_LAYOUT")
+        or "unknown"
+    )
+    layout = str(layout)
+    try:
+        from vllm.platforms import current_platform
+
+        device_type = str(current_platform.device_type)
+    except Exception:  # pragma: no cover
+        device_type = "unknown"
+    pc = vllm_config.parallel_config
+    if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
+        raise ValueError("TieredCacheConnector does not support pipeline parallelism yet")
+    tp_size = int(getattr(pc, "tensor_parallel_size", 1))
+    model_id = str(extra.get("model_id") or vllm_config.model_config.model)
+    kind = type(spec).__name__
+    fp = tc_keys.ModelFingerprint(
+        model_id=model_id,
+        dtype=dtype,
+        # The byte meaning of a block depends on the backend (CPU: all K then all V per
+        # head; CUDA: K|V per token), so the device type is part of the identity.
+        kv_layout=f"{layout}@{device_type}/{kind}",
+        block_size=block_size,
+        tp_rank=tp_rank,
+        tp_world_size=tp_size,
+        chunk_size=chunk_size,
+    )
+    return _Identity(fp, layout[:8], block_size, dtype)
+
+def _chunk_bytes(kv_cache_config: KVCacheConfig | None, extra: Mapping[str, Any]) -> int:
+    """Bytes of one full chunk on this rank (all layers), from vLLM's KV cache spec: what
+    the agent prices a chunk of unknown size at. 0 when the spec does not say."""
+    try:
+        group = _single_group_spec(kv_cache_config)  # type: ignore[arg-type]
+        spec = group.kv_cache_spec
+        per_block = int(spec.page_size_bytes) * len(group.layer_names)
+        chunk = int(extra.get("chunk_size", tc_keys.DEFAULT_CHUNK_SIZE))
+        return per_block * (chunk // int(spec.block_size))
+    except Exception:
+        return 0
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (unit tests)
+        return 0
+
+
+class ConnectorBase:
+    """State and agent access both halves need."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None,
+        ktc: KVTransferConfig,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._kv_transfer_config = ktc
+        self._extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})
+        # The cache config (config_file, inline tiered_cache, or LMCache's YAML through
+        # LMCACHE_CONFIG_FILE) gives chunk_size and save_unfull_chunk unless set here.
+        from tiered_cache.client import config_from_extra
+
+        cache_cfg = config_from_extra(self._extra)
+        self._extra.setdefault("chunk_size", cache_cfg.chunk_size)
+        self._save_unfull = _as_bool(
+            self._extra.get("save_unfull_chunk", cache_cfg.save_unfull_chunk)
+        )
+        self._save_enabled = bool(ktc.is_kv_producer)
+        self._load_enabled = bool(ktc.is_kv_consumer)
+        self._role_name = str(ktc.kv_role)
+        # "auto": chunks in this node's DRAM or NVMe load synchronously inside the forward
+        # pass (milliseconds). Chunks on a peer or in S3 are first copied into DRAM by the
+        # agent while the request waits in the queue (holding no KV blocks), then load the
+        # same way: no network I/O inside the forward pass, and no worker thread competing
+        # with the engine's busy loop for the GIL.
+        mode = str(self._extra.get("async_load", "auto")).strip().lower()
+        if mode not in ("auto", "1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"async_load must be auto, true or false, got {mode!r}")
+        self._async_mode = mode if mode == "auto" else str(_as_bool(mode)).lower()
+        self._async_load = self._async_mode != "false"
+        # The cap on any wait (for a prefill's chunks, for a prefetch); the actual bound is
+        # what recomputing the waited-for tokens costs (connectors.vllm_plan).
+        self._wait_timeout = float(self._extra.get("load_wait_timeout_s", 5.0))
+        self._agent_timeout = float(self._extra.get("agent_timeout_s", 10.0))
+        self._fetch_policy = str(self._extra.get("fetch_policy", "auto")).strip().lower()
+        if self._fetch_policy not in ("auto", "always"):
+            raise ValueError(f"fetch_policy must be auto or always, got {self._fetch_policy!r}")
+        self._poll_s = float(self._extra.get("lookup_poll_s", 0.02))
+        self._wait_mode = str(self._extra.get("wait_for_prefill", "auto")).lower()
+        self._load_batch = max(1, int(self._extra.get("load_batch_chunks", 16)))
+        self._max_staging = max(1, int(self._extra.get("max_staging_mb", 256))) << 20
+        if kv_cache_config is None:
+            raise ValueError("TieredCacheConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        self._kv_cache_config: KVCacheConfig = kv_cache_config
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            tp_rank = _tp_rank()
+        self._id = build_identity(vllm_config, kv_cache_config, self._extra, tp_rank)
+        self._fp = self._id.fingerprint
+        self._chunk_size = self._fp.chunk_size
+        self._block_size = self._id.block_size
+        self._tp_world = self._fp.tp_world_size
+        self._tp_rank = tp_rank
+        self._logged: set[str] = set()
+        self._store: ChunkStore | None = None
+        self._store_lock = threading.Lock()
+        self._stats = StatsRecorder()
+        # An agent that is down costs a request nothing: calls are skipped (a miss, a
+        # skipped save) until a backed-off retry; one log line per outage.
+        self._guard = Breaker(f"tiered cache agent ({role.name.lower()})", logger)
+        self._probe: threading.Thread | None = None
+        self._probe_lock = threading.Lock()
+
+        logger.info(
+            "TieredCacheConnector %s role=%s chunk_size=%d block_size=%d layout=%s dtype=%s "
+            "async_load=%s wait=%s/%.1fs fingerprint=%s",
+            role.name,
+            self._role_name,
+            self._chunk_size,
+            self._block_size,
+            self._fp.kv_layout,
+            self._id.dtype,
+            self._async_mode,
+            self._wait_mode,
+            self._wait_timeout,
+            self._fp.hex,
+        )
+
+    def _open_store(self) -> ChunkStore:
+        with self._store_lock:
+            if self._store is None:
+                from tiered_cache.client import open_store
+
+                self._store = open_store({"agent_timeout_s": self._agent_timeout, **self._extra})
+                self._register_fingerprint(self._store)
+            return self._store
+
+    def _cache_up(self) -> bool:
+        """Whether to use the cache for this call. While the agent is down: no; once per
+        backoff a probe runs on a helper thread, so no request waits for it."""
+        g = self._guard
+        if not g.down:
+            return g.allow()
+        if g.allow():
+            with self._probe_lock:
+                if self._probe is None or not self._probe.is_alive():
+                    self._probe = threading.Thread(
+                        target=self._probe_agent, name="tc-probe", daemon=True
+                    )
+                    self._probe.start()
+        return False
+
+    def _probe_agent(self) -> None:
+        try:
+            st = self._open_store()
+            ping = getattr(st, "ping", None)
+            if callable(ping):
+                ping()
+        except OSError as e:
+            self._guard.failed(e)
+            return
+        except Exception as e:  # it answered: up, if unhappy
+            logger.debug("tiered cache probe: %r", e)
+        self._guard.ok()
+
+    def _guarded(self, op: str, fn: Callable[[ChunkStore], T], default: T) -> T:
+        """``fn(store)``, or ``default`` at once while the agent is down. An unreachable
+        or unresponsive agent opens the breaker (one log line per outage); an error the
+        agent answered with is counted and logged once by kind."""
+        if not self._cache_up():
+            return default
+        try:
+            out = fn(self._open_store())
+        except OSError as e:  # unreachable, reset, timed out (ConnectionLost is one)
+            self._stats.inc("store_errors", op)
+            self._guard.failed(e)
+            return default
+        except Exception as e:
+            self._stats.inc("store_errors", op)
+            self._log_once(f"{op}:{type(e).__name__}", "tiered cache %s failed: %r", op, e)
+            return default
+        self._guard.ok()
+        return out
+
+    def _register_fingerprint(self, store: ChunkStore) -> None:
+        """Tell the node agent (and through it the directory) which fingerprint this
+        process writes under: `pin add --model` cannot guess the KV layout or block size."""
+        register = getattr(store, "register_model", None)
+        if not callable(register):
+            return
+        mc = self._vllm_config.model_config
+        served = getattr(mc, "served_model_name", None)
+        names = [served] if isinstance(served, str) else list(served or [])
+        aliases = sorted({str(mc.model), *map(str, names)} - {self._fp.model_id})
+        try:
+            register(
+                {
+                    **dataclasses.asdict(self._fp),
+                    "aliases": aliases,
+                    "tokenizer": getattr(mc, "tokenizer", None),
+                }
+            )
+        except Exception as e:  # pins by --model need it; serving does not
+            self._log_once("register", "tiered cache: fingerprint not registered: %r", e)
+
+    def _log_once(self, tag: str, msg: str, *args: Any) -> None:
+        if tag not in self._logged:
+            self._logged.add(tag)
+            logger.warning(msg, *args)
+
+    def _req_keys(
+        self, prompt: Sequence[int], salt: str | None, fp: tc_keys.ModelFingerprint | None = None
+    ) -> list[str]:
+        return tc_keys.chunk_keys(prompt, fp or self._fp, salt, include_partial=True)
+
+    @staticmethod
+    def _salt(request: Request) -> str | None:
+        salt = getattr(request, "cache_salt", None)
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            name = getattr(lora, "lora_name", None) or getattr(lora, "name", "")
+            salt = f"{salt or ''}|lora={name}"
+        return salt
+
+    @staticmethod
+    def _cacheable(request: Request) -> bool:
+        if request.prompt_token_ids is None:
+            return False  # prompt embeddings: tokens do not identify the KV
+        return not getattr(request, "mm_features", None)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._stats.take()
+
+    def close_store(self) -> None:
+        with self._store_lock:
+            if self._store is not None:
+                try:
+                    self._store.close()
+                except Exception as e:  # shutting down: nothing left to protect
+                    logger.debug("tiered cache store close: %r", e)
+                self._store = None

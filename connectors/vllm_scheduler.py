@@ -1,0 +1,575 @@
+"""The scheduler half of the vLLM connector: which chunks a request can load (waiting
+only for what its prefill listed, fetch or recompute, remote chunks copied into DRAM
+first), the load and save plan of each step, and what a prefill reports to the router.
+Bookkeeping only: the worker half moves the bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from connectors.vllm_common import ConnectorBase, _chunk_bytes, logger
+from connectors.vllm_kvio import ChunkSpan, load_block_ranges, loadable_spans
+from connectors.vllm_kvio import chunk_spans as _chunk_spans
+from connectors.vllm_metadata import (
+    LoadChunk,
+    LoadJob,
+    SaveChunk,
+    TieredCacheConnectorMetadata,
+    TieredCacheWorkerMeta,
+)
+from connectors.vllm_plan import RecomputeRate, choose_prefix, wait_budget_s
+from tiered_cache import keys as tc_keys
+from tiered_cache.api import ChunkStore
+
+try:  # 0.32+: per-tier hit accounting
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_SOURCE_TO_HIT = {"dram": "HOST", "nvme": "DISK", "peer": "P2P", "s3": "EXTERNAL_UNSPECIFIED"}
+# Sources a load reads in milliseconds: loaded inside the forward pass under "auto".
+_LOCAL_SOURCES = frozenset({"dram", "nvme"})
+
+
+@dataclass
+class _Match:
+    """What ``get_num_new_matched_tokens`` told vLLM, for ``update_state_after_alloc``."""
+
+    num_computed: int
+    sources: list[str]  # where each chunk is loaded from (its prefix up to the last loaded)
+    origins: list[str]  # where each chunk came from (a prefetched peer chunk: "peer")
+    hit_end: int
+    is_async: bool  # decided once, from the chunks that will be loaded
+    # The last chunk is an earlier prompt's partial chunk: (index, tokens, key).
+    partial: tuple[int, int, str] | None = None
+
+
+@dataclass
+class _Wait:
+    """A request the connector may answer "ask again" for (scheduler side)."""
+
+    t0: float  # when the request arrived
+    keys: list[str]  # its loadable chunks' keys
+    coming: int  # leading chunks the prefill said it saved
+    sources: list[str] = field(default_factory=list)
+    costs: list[float] = field(default_factory=list)
+    looked_at: float = -1.0
+    gave_up: bool = False  # stopped waiting for the prefill's chunks
+    decided: str = ""  # fetch-or-recompute decision, counted once
+    fetch_t0: float | None = None  # prefetch of remote chunks into DRAM started
+    fetch_budget: float = 0.0
+    origin: dict[int, str] = field(default_factory=dict)  # chunk -> remote source seen
+    requested: set[int] = field(default_factory=set)  # chunks asked to be prefetched
+    probed: bool = False  # looked for an earlier prompt's partial chunk
+    # That chunk, when found: (index, tokens, key, source, expected load seconds).
+    partial: tuple[int, int, str, str, float] | None = None
+
+
+@dataclass
+class _ReqState:
+    req_id: str
+    prompt: list[int]
+    salt: str | None
+    keys: list[str]
+    spans: list[ChunkSpan]
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0
+    tail_key: str | None = None  # key of the block-aligned copy of the partial tail
+
+
+class SchedulerSide(ConnectorBase):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None,
+        ktc: KVTransferConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config, ktc)
+        self._reqs: dict[str, _ReqState] = {}
+        self._matches: dict[str, _Match] = {}
+        self._waits: dict[str, _Wait] = {}
+        self._rate = RecomputeRate()  # this engine's prompt-token cost, from its steps
+        self._chunk_bytes = _chunk_bytes(kv_cache_config, self._extra)
+        self._first_seen: dict[str, float] = {}
+        self._hit_sources: dict[str, dict[str, int]] = {}
+        self._pending_loads: list[LoadJob] = []
+        self._planned: dict[str, set[int]] = {}  # req -> blocks its load writes
+        self._no_reload: set[str] = set()  # reqs whose load failed
+        self._looked_up: set[str] = set()  # reqs counted in the lookups metric
+
+        if True:  # the scheduler connects at start-up
+            policy = getattr(ktc, "kv_load_failure_policy", "recompute")
+            if self._load_enabled and policy != "recompute":
+                logger.warning(
+                    "TieredCacheConnector: kv_load_failure_policy=%r, so a chunk that is "
+                    "evicted or fails verification between lookup and load fails its request "
+                    "(HTTP 500). Set \"kv_load_failure_policy\": \"recompute\" in "
+                    "--kv-transfer-config to have vLLM recompute it instead.",
+                    policy,
+                )
+            # A config that cannot work fails at startup; an agent that is not up yet
+            # leaves the connector serving without the cache until it is.
+            self._guarded("connect", lambda st: None, None)
+
+
+    def on_new_request(self, request: Request) -> None:
+        if self._load_enabled:
+            self._first_seen.setdefault(request.request_id, time.monotonic())
+
+    def _coming(self, request: Request, keys: Sequence[str]) -> int:
+        """How many leading chunks of ``keys`` are on their way: the ones the prefill said
+        it saved (its ``kv_transfer_params``, passed on by the router). None are when the
+        router skipped the prefill, and none without a hint unless ``wait_for_prefill``
+        is ``true``."""
+        if self._wait_timeout <= 0 or self._wait_mode in ("false", "0", "no", "never"):
+            return 0
+        params = getattr(request, "kv_transfer_params", None) or {}
+        hint = params.get("tiered_cache") if isinstance(params, Mapping) else None
+        if isinstance(hint, Mapping) and isinstance(hint.get("keys"), list):
+            saved = set(hint["keys"])
+            n = 0
+            while n < len(keys) and keys[n] in saved:
+                n += 1
+            return n
+        return len(keys) if self._wait_mode in ("true", "1", "yes", "always") else 0
+
+    def _lookup(self, keys: Sequence[str]) -> list[str]:
+        if not keys:
+            return []
+        return self._guarded("lookup", lambda st: list(st.lookup(keys)), [])
+
+    def _lookup_priced(self, keys: Sequence[str]) -> tuple[list[str], list[float]]:
+        def priced(st: ChunkStore) -> tuple[list[str], list[float]]:
+            fn = getattr(st, "lookup_priced", None)  # an AgentClient; any store: unpriced
+            if fn is None:
+                found = list(st.lookup(keys))
+                return found, [0.0] * len(found)
+            found, costs = fn(keys, self._chunk_bytes)
+            return list(found), list(costs)
+
+        none: tuple[list[str], list[float]] = ([], [])
+        return self._guarded("lookup", priced, none)
+
+    def _in_dram(self, keys: Sequence[str]) -> list[bool]:
+        """DRAM presence through the shared index (no round trip); the agent otherwise."""
+        st = self._store
+        direct = st.in_dram(keys) if st is not None and hasattr(st, "in_dram") else None
+        if direct is not None:
+            return list(direct)
+        found = self._lookup(keys)
+        return [i < len(found) and found[i] == "dram" for i in range(len(keys))]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Leading chunks to load, decided once the ones on their way have landed (or
+        their wait ran out) and remote ones have been copied into this node's DRAM.
+        ``None`` asks vLLM to ask again: the request waits in the queue holding no KV
+        blocks. No side effects on vLLM; the connector keeps its own per-request state."""
+        if not self._load_enabled or not self._cacheable(request):
+            return 0, False
+        rid = request.request_id
+        prompt = request.prompt_token_ids or []
+        n = len(prompt)
+        spans = loadable_spans(n, self._chunk_size, self._block_size)
+        if not spans or rid in self._no_reload:
+            return 0, False
+        first = next((s.index for s in spans if s.end > num_computed_tokens), len(spans))
+        now = time.monotonic()
+        w = self._waits.get(rid)
+        if w is None:
+            keys = self._req_keys(prompt, self._salt(request))[: len(spans)]
+            coming = 0 if rid in self._planned else self._coming(request, keys)
+            w = self._waits[rid] = _Wait(self._first_seen.setdefault(rid, now), keys, coming)
+        if self._guard.down:
+            self._cache_up()  # maybe probe, off this request's path
+            self._count_once(rid, "unavailable")
+            return 0, False  # the cache is down: recompute, never wait for it
+        if w.looked_at < 0 or now - w.looked_at >= self._poll_s:
+            w.sources, w.costs = self._lookup_priced(w.keys)
+            w.looked_at = now
+            for i, src in enumerate(w.sources):  # a staged chunk counts where it came from
+                if src not in _LOCAL_SOURCES:
+                    w.origin.setdefault(i, src)
+            if self._guard.down:  # it just went down
+                self._count_once(rid, "unavailable")
+                return 0, False
+        sources, costs = w.sources, w.costs
+        hit = len(sources)
+
+        # 1. Chunks the prefill saved that are not visible yet: wait, at most what
+        #    recomputing them costs.
+        if hit < w.coming and not w.gave_up:
+            waited = sum(s.num_tokens for s in spans[hit : w.coming])
+            if now - w.t0 < wait_budget_s(self._wait_timeout, self._rate.cost_s(waited)):
+                return None, False
+            w.gave_up = True
+            self._count_once(rid, "deadline")
+            logger.info(
+                "req %s: %d of the %d chunks its prefill saved did not arrive within %.0f ms; "
+                "recomputing from chunk %d", rid, w.coming - hit, w.coming,
+                (now - w.t0) * 1e3, hit,
+            )  # fmt: skip
+
+        # 1b. The chunk after the found ones may exist as a shorter, block-aligned chunk
+        #     an earlier prompt saved (the previous turn of this conversation).
+        if not w.probed and hit < len(spans) and (hit >= w.coming or w.gave_up):
+            w.probed = True
+            w.partial = self._probe_partial(prompt, self._salt(request), w, spans[hit])
+        keys = list(w.keys)
+        if w.partial is not None and hit == w.partial[0]:
+            idx, ptok, pkey, psrc, pcost = w.partial
+            spans = [*spans[:hit], ChunkSpan(idx, spans[idx].start, spans[idx].start + ptok,
+                                             self._block_size)]  # fmt: skip
+            keys[idx] = pkey
+            sources, costs = [*sources, psrc], [*costs, pcost]
+            hit += 1
+
+        # 2. Fetch or recompute: the prefix whose load saves the most time.
+        toks = [0 if i < first else s.end - max(s.start, num_computed_tokens)
+                for i, s in enumerate(spans[:hit])]  # fmt: skip
+        spt = self._rate.seconds_per_token() if self._fetch_policy == "auto" else None
+        choice = choose_prefix(toks, costs, first, spt)
+        k = choice.chunks
+        if not w.decided and hit > first:  # counted once, when there was a choice
+            w.decided = choice.decision
+            self._stats.inc("fetch_decisions", choice.decision)
+
+        # 3. Chunks of that prefix on a peer or in S3: copied into this node's DRAM by the
+        #    agent while the request waits in the queue, so no network I/O happens inside
+        #    the forward pass. A chunk that lands on this node's NVMe instead (evicted by
+        #    a busy DRAM) counts as arrived: local reads cost milliseconds.
+        remote = [i for i in range(first, k) if sources[i] not in _LOCAL_SOURCES]
+        if remote and self._prefetch_remote():
+            ask = [keys[i] for i in remote if i not in w.requested]
+            if ask:
+                if w.fetch_t0 is None:
+                    w.fetch_t0 = now
+                    w.fetch_budget = wait_budget_s(
+                        self._wait_timeout,
+                        self._rate.cost_s(sum(toks[i] for i in remote)),
+                        sum(costs[i] for i in remote),
+                    )
+                w.requested.update(remote)
+                self._guarded("prefetch", lambda st: st.prefetch(ask, self._fp.digest), 0)  # type: ignore[attr-defined]
+            here = self._in_dram([keys[i] for i in remote])
+            for i, arrived in zip(remote, here, strict=True):
+                if arrived:
+                    sources[i] = "dram"
+            late = [i for i in remote if sources[i] not in _LOCAL_SOURCES]
+            if late:
+                assert w.fetch_t0 is not None
+                if now - w.fetch_t0 < w.fetch_budget:
+                    return None, False
+                k = late[0]  # load what arrived, recompute the rest
+                self._count_once(rid, "fetch_deadline")
+                logger.info(
+                    "req %s: %d chunks (from %s) did not arrive in DRAM within %.0f ms; "
+                    "recomputing from chunk %d", rid, len(late),
+                    ",".join(sources[i] for i in late), w.fetch_budget * 1e3, k,
+                )  # fmt: skip
+        hit_end = min(spans[k - 1].end, n - 1) if k else 0
+        ext = hit_end - num_computed_tokens
+        if rid not in self._looked_up:  # once per request, not per poll or preemption
+            self._looked_up.add(rid)
+            self._stats.inc("lookups", "hit" if ext > 0 else "miss")
+        if ext <= 0:
+            return 0, False
+        loaded = sources[first:k]
+        is_async = self._async_mode == "true" or (
+            self._async_mode == "auto" and any(src not in _LOCAL_SOURCES for src in loaded)
+        )
+        origins = [w.origin.get(i, sources[i]) for i in range(k)]
+        partial = None
+        if w.partial is not None and k == w.partial[0] + 1:
+            partial = (w.partial[0], w.partial[1], w.partial[2])
+        self._matches[rid] = _Match(
+            num_computed_tokens, sources[:k], origins, hit_end, is_async, partial
+        )
+        return ext, is_async
+
+    def _probe_partial(
+        self, prompt: Sequence[int], salt: str | None, w: _Wait, span: ChunkSpan
+    ) -> tuple[int, int, str, str, float] | None:
+        """The longest block-aligned partial chunk at ``span`` that an earlier prompt
+        saved and this prompt shares (one round trip for every candidate length)."""
+        bs = self._block_size
+        lengths = list(range(((span.num_tokens - 1) // bs) * bs, 0, -bs))
+        if not lengths:
+            return None
+        parent = w.keys[span.index - 1] if span.index else None
+        cands = tc_keys.partial_keys(prompt, self._fp, salt, parent, span.start, lengths)
+        nbytes = self._chunk_bytes * lengths[0] // self._chunk_size
+
+        def probe(st: ChunkStore) -> list[tuple[str, float] | None]:
+            fn = getattr(st, "present", None)
+            return list(fn(cands, nbytes)) if fn is not None else []
+
+        none: list[tuple[str, float] | None] = []
+        for n_tok, key, found in zip(lengths, cands, self._guarded("lookup", probe, none),
+                                     strict=False):  # fmt: skip
+            if found is not None:
+                return span.index, n_tok, key, found[0], found[1]
+        return None
+
+    def _prefetch_remote(self) -> bool:
+        """Remote chunks go through this node's DRAM (see ``async_load``)."""
+        st = self._store
+        return self._async_mode == "auto" and "dram" in (getattr(st, "tiers", None) or ())
+
+    def _count_once(self, rid: str, reason: str) -> None:
+        tag = f"fallback:{reason}:{rid}"
+        if tag not in self._logged:
+            self._logged.add(tag)
+            self._stats.inc("recompute_fallbacks", reason)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        if not self._cacheable(request):
+            return
+        st = self._reqs.get(rid)
+        if st is None and (num_external_tokens > 0 or self._save_enabled):
+            prompt = list(request.prompt_token_ids or [])
+            salt = self._salt(request)
+            st = _ReqState(
+                rid,
+                prompt,
+                salt,
+                self._req_keys(prompt, salt),
+                _chunk_spans(len(prompt), self._chunk_size, self._block_size),
+            )
+            tail = st.spans[-1] if st.spans else None
+            bs = self._block_size
+            if tail is not None and tail.num_tokens < self._chunk_size and tail.num_tokens > bs:
+                aligned = tail.num_tokens - tail.num_tokens % bs
+                if aligned != tail.num_tokens:
+                    parent = st.keys[tail.index - 1] if tail.index else None
+                    st.tail_key = tc_keys.partial_keys(
+                        prompt, self._fp, salt, parent, tail.start, [aligned]
+                    )[0]
+            self._reqs[rid] = st
+            if self._save_enabled:
+                # Chunks already in the cache need no second copy.
+                st.next_save = len(self._lookup(st.keys))
+        if st is None:
+            return
+        self._waits.pop(rid, None)  # scheduled: a preemption starts over (no waiting)
+        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if block_ids:
+            st.block_ids = block_ids
+        if num_external_tokens <= 0:
+            return
+        m = self._matches.get(rid)
+        if m is None:
+            raise RuntimeError(f"req {rid}: external tokens allocated without a match")
+        start = m.num_computed
+        end = start + num_external_tokens
+        n_hit = len(m.sources)
+        spans, keys = st.spans[:n_hit], st.keys[:n_hit]
+        if m.partial is not None:  # the last one is an earlier prompt's partial chunk
+            idx, ptok, pkey = m.partial
+            spans[idx] = ChunkSpan(idx, spans[idx].start, spans[idx].start + ptok,
+                                   self._block_size)  # fmt: skip
+            keys[idx] = pkey
+        ranges = load_block_ranges(spans, start, end)
+        chunks: list[LoadChunk] = []
+        by_source: dict[str, int] = {}
+        for r in ranges:
+            s = r.span
+            src, origin = m.sources[s.index], m.origins[s.index]
+            ntok = max(0, min(s.end, end) - max(s.start, start))
+            chunks.append(
+                LoadChunk(
+                    index=s.index,
+                    key=keys[s.index],
+                    num_tokens=s.num_tokens,
+                    n_blocks=s.num_blocks,
+                    lo=r.lo - s.first_block,
+                    block_ids=st.block_ids[r.lo : r.hi],
+                    source=src,
+                    tokens=ntok,
+                    origin=origin if origin != src else "",
+                )
+            )
+            by_source[origin] = by_source.get(origin, 0) + ntok
+        if ranges and len(st.block_ids) < ranges[-1].hi:
+            # Cannot happen (vLLM allocates blocks for every token it schedules); a load
+            # into missing blocks could not report its failure, so refuse loudly.
+            raise RuntimeError(
+                f"req {rid}: block table has {len(st.block_ids)} blocks, load needs "
+                f"{ranges[-1].hi}"
+            )
+        self._hit_sources[rid] = by_source
+        self._planned[rid] = {b for c in chunks for b in c.block_ids}
+        # Loaded chunks need no saving; a partial one does (its full chunk is new).
+        full = [c.index + 1 for c in chunks if m.partial is None or c.index != m.partial[0]]
+        st.next_save = max(st.next_save, max(full, default=0))
+        # Sync or async as get_num_new_matched_tokens told vLLM: a job vLLM waits for in
+        # WAITING_FOR_REMOTE_KVS must be reported by get_finished, so it must run async.
+        is_async = m.is_async
+        job = LoadJob(
+            rid,
+            chunks,
+            is_async,
+            num_external_tokens,
+            token_ids=st.prompt if self._tp_world > 1 else None,
+            cache_salt=st.salt if self._tp_world > 1 else None,
+        )
+        self._pending_loads.append(job)
+        logger.info(
+            "req %s: loading %d of %d prompt tokens from the tiered cache (%s) in %d chunks, "
+            "found in %s",
+            rid,
+            num_external_tokens,
+            len(st.prompt),
+            "async" if is_async else "sync",
+            len(chunks),
+            ",".join(f"{c.origin}->{c.source}" if c.origin else c.source for c in chunks),
+        )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[Any, int]:
+        if num_external_tokens == 0 or CacheHitSource is None:
+            return {}
+        by_source = self._hit_sources.get(request.request_id) or {}
+        out: dict[Any, int] = {}
+        for src, n in by_source.items():
+            hs = getattr(CacheHitSource, _SOURCE_TO_HIT.get(src, "EXTERNAL_UNSPECIFIED"))
+            out[hs] = out.get(hs, 0) + n
+        if sum(out.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {k: v for k, v in out.items() if v}
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, TieredCacheWorkerMeta):
+            for tokens, seconds in wm.steps:
+                self._rate.observe(tokens, seconds)
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad or not self._planned:
+            return
+        for rid, blocks in self._planned.items():
+            if blocks & bad:
+                self._no_reload.add(rid)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TieredCacheConnectorMetadata(
+            loads=self._pending_loads, step_tokens=scheduler_output.total_num_scheduled_tokens
+        )
+        self._pending_loads = []
+        if not self._save_enabled or not self._reqs:
+            return meta
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            if new.block_ids:
+                st.block_ids = list(new.block_ids[0])
+            done = new.num_computed_tokens + sched.get(new.req_id, 0)
+            self._plan_saves(st, done, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if nb:
+                if rid in resumed:
+                    st.block_ids = list(nb[0])
+                else:
+                    st.block_ids.extend(nb[0])
+            done = cached.num_computed_tokens[i] + sched.get(rid, 0)
+            self._plan_saves(st, done, meta)
+        return meta
+
+    def _plan_saves(self, st: _ReqState, computed: int, meta: TieredCacheConnectorMetadata) -> None:
+        n = len(st.prompt)
+        added = False
+        while st.next_save < len(st.spans):
+            s = st.spans[st.next_save]
+            if s.end > min(computed, n) or s.end_block > len(st.block_ids):
+                break
+            if s.num_tokens < self._chunk_size and not self._save_unfull:
+                break  # the partial tail chunk stays out of the cache
+            parent = st.keys[s.index - 1] if s.index else None
+            meta.saves.append(
+                SaveChunk(
+                    st.req_id,
+                    s.index,
+                    st.keys[s.index],
+                    s.num_tokens,
+                    st.block_ids[s.first_block : s.end_block],
+                    parent,
+                )
+            )
+            if st.tail_key is not None and s.index == len(st.spans) - 1:
+                n_al = s.num_tokens - s.num_tokens % self._block_size
+                meta.saves.append(SaveChunk(
+                    st.req_id, s.index, st.tail_key, n_al,
+                    st.block_ids[s.first_block : s.first_block + n_al // self._block_size],
+                    parent, aligned=True,
+                ))  # fmt: skip
+            st.next_save += 1
+            added = True
+        if added and self._tp_world > 1:
+            meta.save_tokens[st.req_id] = (st.prompt, st.salt)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        self._matches.pop(rid, None)
+        self._waits.pop(rid, None)
+        self._first_seen.pop(rid, None)
+        self._hit_sources.pop(rid, None)
+        self._planned.pop(rid, None)
+        self._no_reload.discard(rid)
+        self._looked_up.discard(rid)
+        for reason in ("unavailable", "deadline", "fetch_deadline"):
+            self._logged.discard(f"fallback:{reason}:{rid}")
+        params: dict[str, Any] | None = None
+        if self._save_enabled and st is not None:
+            # Tells a proxy, and through it the decode node, exactly which chunks this
+            # prefill put in the cache: the decode waits for those and no others. None
+            # while the agent is down (the saves were skipped).
+            saved = 0 if self._guard.down else st.next_save
+            params = {
+                "tiered_cache": {
+                    "chunks": saved,
+                    "prompt_tokens": len(st.prompt),
+                    "chunk_size": self._chunk_size,
+                    "keys": st.keys[:saved],
+                },
+                # For a cache-aware router: the fingerprint the chunk keys chain from, and
+                # the node whose cache holds them.
+                "tc_fingerprint": dataclasses.asdict(self._fp),
+                "tc_node_id": getattr(self._store, "node_id", None),
+            }
+        return False, params
+
+    def shutdown(self) -> None:
+        self.close_store()

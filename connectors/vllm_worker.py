@@ -1,0 +1,657 @@
+"""The worker half of the vLLM connector: moves KV bytes between vLLM's paged blocks
+and the node's cache (layer-wise saves into reserved DRAM slots, verified loads), and
+times each forward pass for the scheduler's recompute-cost estimate."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from connectors.vllm_common import ConnectorBase, _as_bool, _single_group_spec, logger
+from connectors.vllm_kvio import HostStaging, PagedKV, dtype_name, payload_tensor
+from connectors.vllm_metadata import (
+    LoadChunk,
+    LoadJob,
+    SaveChunk,
+    TieredCacheConnectorMetadata,
+    TieredCacheWorkerMeta,
+)
+from connectors.vllm_metrics import farthest
+from tiered_cache import keys as tc_keys
+from tiered_cache.api import ChunkStore
+from tiered_cache.client import SlotReservation
+from tiered_cache.codec import ChunkMeta
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass
+class _StepSave:
+    """One step's save: chunks (save, key, parent), and, on the zero-copy path, their
+    reserved slots, destination tensors ([L, n, *block] over each slot) and block indexes."""
+
+    todo: list[tuple[SaveChunk, str, str | None]]
+    res: SlotReservation | None
+    dests: list[torch.Tensor]
+    idx: list[torch.Tensor]
+    layers: set[int] = field(default_factory=set)  # layers whose copy was submitted
+    copies: list[Future[None]] = field(default_factory=list)
+    t0: float = 0.0
+    skipped: bool = False  # the agent is down: this step saves nothing
+
+
+class WorkerSide(ConnectorBase):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None,
+        ktc: KVTransferConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config, ktc)
+        self._kv: PagedKV | None = None
+        self._save_staging: HostStaging | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        # Saves: layer copies into reserved DRAM slots overlap the forward pass; checksum +
+        # commit run after it on another thread.
+        self._layerwise = _as_bool(self._extra.get("layerwise_save", True))
+        self._step_save: _StepSave | None = None
+        self._copy_pool: ThreadPoolExecutor | None = None
+        self._finish_pool: ThreadPoolExecutor | None = None
+        self._pending_commits: list[Future[None]] = []
+        self._save_stream: Any = None
+        self._inflight: dict[str, Future[set[int]]] = {}
+        self._load_errors: set[int] = set()
+        self._step_t0: float | None = None  # forward timing for the scheduler's rate
+        self._step_tokens = 0
+        self._sync_load_s = 0.0
+        self._steps: list[tuple[int, float]] = []
+
+        self._meta: KVConnectorMetadata | None = None  # this step's, bound by vLLM
+
+    def has_connector_metadata(self) -> bool:
+        return self._meta is not None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        assert self._meta is not None
+        return self._meta
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        group = _single_group_spec(self._kv_cache_config)
+        names = [n for n in group.layer_names if n in kv_caches] or list(kv_caches)
+        missing = [n for n in kv_caches if n not in names]
+        if missing:
+            logger.warning("TieredCacheConnector: layers outside the KV group ignored: %s", missing)
+        layers = [kv_caches[n] for n in names]
+        kv = PagedKV(layers, names)
+        if dtype_name(kv.dtype) != self._id.dtype:
+            raise ValueError(
+                f"KV tensors are {dtype_name(kv.dtype)} but the fingerprint says {self._id.dtype}"
+            )
+        if len(kv.block_shape) >= 2 and kv.block_shape[-2] != self._block_size:
+            self._log_once(
+                "blockdim",
+                "KV block shape %s: token dim %d != block size %d; copying whole blocks anyway",
+                kv.block_shape,
+                kv.block_shape[-2],
+                self._block_size,
+            )
+        self._kv = kv
+        self._save_staging = HostStaging(pin=not kv.on_host)
+        if kv.device.type == "cuda":
+            self._save_stream = torch.cuda.Stream(kv.device)
+        self._open_store()
+        logger.info(
+            "TieredCacheConnector: %d layers, %d blocks of %s %s (%d B/block/layer) on %s",
+            kv.num_layers,
+            kv.num_blocks,
+            kv.block_shape,
+            dtype_name(kv.dtype),
+            kv.block_bytes,
+            kv.device,
+        )
+
+    def _worker_keys(self, indices: Sequence[int], tokens: Sequence[int] | None,
+                     salt: str | None, given: Sequence[str]) -> list[str]:
+        if self._tp_rank == 0 or tokens is None:
+            return list(given)
+        ks = self._req_keys(tokens, salt)
+        return [ks[i] for i in indices]
+
+    # -- loading
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self._meta = connector_metadata
+        # The forward pass runs from here to wait_for_save: timed for the scheduler's
+        # recompute-cost estimate (sync loads inside it are subtracted).
+        tokens = getattr(connector_metadata, "step_tokens", 0)
+        self._step_t0 = time.perf_counter() if tokens else None
+        self._step_tokens = int(tokens)
+        self._sync_load_s = 0.0
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._steps:
+            return None
+        steps, self._steps = self._steps, []
+        return TieredCacheWorkerMeta(steps)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.loads:
+            return
+        t0 = time.perf_counter()
+        for job in meta.loads:
+            if job.is_async:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="tc-load")
+                self._inflight[job.req_id] = self._loader.submit(self._run_load, job)
+            else:
+                self._load_errors |= self._run_load(job)
+        self._sync_load_s += time.perf_counter() - t0
+
+    def _run_load(self, job: LoadJob) -> set[int]:
+        """Load one request's chunks. Returns the block ids that were not loaded (all of
+        them at once while the agent is down: vLLM recomputes them)."""
+        every = {b for c in job.chunks for b in c.block_ids}
+        if not self._cache_up():
+            self._stats.inc("recompute_fallbacks", "unavailable")
+            return every
+        try:
+            failed = self._load_job(job)
+        except OSError as e:  # the agent went away mid-load
+            self._guard.failed(e)
+            self._stats.inc("store_errors", "load")
+            self._stats.inc("recompute_fallbacks", "unavailable")
+            return every
+        except Exception as e:
+            self._log_once(f"load:{type(e).__name__}", "req %s: tiered cache load failed: %r",
+                           job.req_id, e)  # fmt: skip
+            logger.debug("load failure", exc_info=True)
+            self._stats.inc("store_errors", "load")
+            self._stats.inc("recompute_fallbacks", "load_error")
+            return every
+        self._guard.ok()
+        return failed
+
+    def _check_meta(self, meta: ChunkMeta, c: LoadChunk, kv: PagedKV) -> str | None:
+        want_shape = kv.payload_shape(c.n_blocks)
+        if meta.kv_layout != self._id.kv_layout:
+            return f"KV layout {meta.kv_layout!r} != this node's {self._id.kv_layout!r}"
+        if meta.block_size != self._block_size:
+            return f"block size {meta.block_size} != this node's {self._block_size}"
+        if meta.dtype != dtype_name(kv.dtype):
+            return f"dtype {meta.dtype} != this node's {dtype_name(kv.dtype)}"
+        if tuple(meta.shape) != want_shape:
+            return f"payload shape {tuple(meta.shape)} != expected {want_shape}"
+        if meta.num_tokens != c.num_tokens:
+            return f"chunk holds {meta.num_tokens} tokens, expected {c.num_tokens}"
+        return None
+
+    def _load_job(self, job: LoadJob) -> set[int]:
+        kv = self._kv
+        store = self._open_store()
+        if kv is None:
+            raise RuntimeError("KV caches were not registered")
+        t0 = time.perf_counter()
+        keys = self._worker_keys(
+            [c.index for c in job.chunks], job.token_ids, job.cache_salt,
+            [c.key for c in job.chunks],
+        )
+        digest = self._fp.digest
+        stream = kv.side_stream()
+        pinned = HostStaging(pin=True) if not kv.on_host else None
+        reasons: dict[int, str] = {}
+        kinds: dict[int, str] = {}  # recompute_fallbacks reason of a refused chunk
+        nbytes: dict[int, int] = {}
+        chunks: list[LoadChunk] = []  # the batch being fetched
+
+        def sink(i: int, meta: ChunkMeta, payload: memoryview) -> None:
+            c = chunks[i]
+            nbytes[i] = payload.nbytes
+            if reasons and min(reasons) < i:
+                reasons[i] = "an earlier chunk failed"
+                return
+            try:
+                bad = self._check_meta(meta, c, kv)
+                if bad is not None:
+                    reasons[i], kinds[i] = bad, "layout_mismatch"
+                    return
+                src = payload_tensor(payload, kv.dtype, kv.payload_shape(c.n_blocks))
+                src = src[:, c.lo : c.lo + len(c.block_ids)]
+                if pinned is not None:
+                    flat = pinned.reserve(src.numel() * src.element_size())
+                    host = flat[: src.numel() * src.element_size()].view(kv.dtype).view(src.shape)
+                    host.copy_(src)
+                    src = host
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        kv.scatter(c.block_ids, src)
+                    stream.synchronize()  # the source buffer is released after we return
+                else:
+                    kv.scatter(c.block_ids, src)
+            except Exception as e:  # never let a bad chunk take the engine down
+                reasons[i], kinds[i] = f"copy failed: {e!r}", "copy_error"
+
+        served: list[str] = []  # the tier that served each loaded chunk
+        failed_at: int | None = None
+        for b0 in range(0, len(job.chunks), self._load_batch):
+            chunks[:] = job.chunks[b0 : b0 + self._load_batch]
+            ok, sources, refused = _fetch(store, keys[b0 : b0 + self._load_batch], digest, sink)
+            for i, c in enumerate(chunks):
+                if ok[i] and i not in reasons:
+                    tier = c.origin or sources[i] or c.source or "unknown"
+                    served.append(tier)
+                    self._stats.inc("loaded_chunks", tier)
+                    self._stats.inc("loaded_bytes", tier, nbytes.get(i, 0))
+                    if self._tp_rank == 0:  # every rank loads the same tokens
+                        self._stats.inc("hit_tokens", tier, c.tokens)
+                    continue
+                kind = kinds.get(i) or _REFUSED.get(refused.get(i, ""), "missing")
+                why = reasons.get(i) or _WHY[kind]
+                self._stats.inc("recompute_fallbacks", kind)
+                if kind == "layout_mismatch":
+                    self._stats.inc("layout_mismatches")
+                self._log_once(
+                    f"loadfail:{why[:40]}",
+                    "tiered cache: chunk %s (req %s, #%d) not loaded: %s; vLLM recomputes it",
+                    c.key, job.req_id, c.index, why,
+                )
+                failed_at = b0 + i
+                break
+            reasons.clear()
+            kinds.clear()
+            nbytes.clear()
+            if failed_at is not None:
+                break
+        failed: set[int] = set()
+        if failed_at is not None:
+            for c in job.chunks[failed_at:]:
+                failed.update(c.block_ids)
+        n_ok = len(job.chunks) if failed_at is None else failed_at
+        dt = time.perf_counter() - t0
+        if served:
+            self._stats.observe("load_seconds", farthest(set(served)), dt)
+        logger.info(
+            "req %s: loaded %d/%d chunks (%d tokens planned) from %s in %.1f ms%s",
+            job.req_id,
+            n_ok,
+            len(job.chunks),
+            job.num_tokens,
+            _tier_counts(served),
+            dt * 1000,
+            f"; {len(failed)} blocks to recompute" if failed else "",
+        )
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        if not self._inflight:
+            return None, None
+        done: set[str] = set()
+        for rid, fut in list(self._inflight.items()):
+            if fut.done():
+                del self._inflight[rid]
+                self._load_errors |= fut.result()
+                done.add(rid)
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    # -- saving
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Copy this layer's blocks of the step's finished chunks straight into reserved
+        DRAM slots on a helper thread, while the next layers compute."""
+        kv = self._kv
+        if not self._layerwise or kv is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
+            return
+        st = self._step_save
+        if st is None:
+            if not self._cache_up():
+                self._step_save = _StepSave([], None, [], [], skipped=True)
+                return
+            try:
+                st = self._step_save = self._begin_save(meta)
+            except OSError as e:  # the agent is unreachable: no saves this step
+                self._guard.failed(e)
+                self._step_save = _StepSave([], None, [], [], skipped=True)
+                return
+            except Exception as e:  # wait_for_save retries the whole save
+                self._log_once(f"begin:{type(e).__name__}", "layer-wise save off: %r", e)
+                self._step_save = _StepSave([], None, [], [])
+                return
+        li = kv.layer_index(layer_name)
+        if st.res is None or li is None or li in st.layers:
+            return
+        st.layers.add(li)
+        ev: Any = None
+        if not kv.on_host:  # the copy must follow this layer's kernels on the compute stream
+            ev = torch.cuda.Event()
+            ev.record()
+        st.copies.append(self._copier().submit(self._copy_layer, st, li, ev))
+
+    def _copier(self) -> ThreadPoolExecutor:
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="tc-save-copy")
+        return self._copy_pool
+
+    def _finisher(self) -> ThreadPoolExecutor:
+        if self._finish_pool is None:
+            self._finish_pool = ThreadPoolExecutor(1, thread_name_prefix="tc-save-commit")
+        return self._finish_pool
+
+    def _copy_layer(self, st: _StepSave, li: int, ev: Any) -> None:
+        # The destinations were made inside vLLM's inference mode; writing them from
+        # another thread needs that mode there too.
+        with torch.inference_mode():
+            self._copy_layer_inner(st, li, ev)
+
+    def _copy_layer_inner(self, st: _StepSave, li: int, ev: Any) -> None:
+        kv = self._kv
+        assert kv is not None
+        stream = self._save_stream
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ev)
+                for idx, dst in zip(st.idx, st.dests, strict=True):
+                    kv.gather_layer(li, idx, dst[li])
+        else:
+            for idx, dst in zip(st.idx, st.dests, strict=True):
+                kv.gather_layer(li, idx, dst[li])
+
+    def wait_for_save(self) -> None:
+        if self._step_t0 is not None:  # the forward pass just ended
+            dt = time.perf_counter() - self._step_t0 - self._sync_load_s
+            if dt > 0 and self._tp_rank == 0:
+                self._steps.append((self._step_tokens, dt))
+                del self._steps[:-64]  # a scheduler that never collects must not grow us
+            self._step_t0 = None
+        st, self._step_save = self._step_save, None
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
+            return
+        if (st is not None and st.skipped) or (st is None and not self._cache_up()):
+            self._stats.inc("saves_skipped", "", len(meta.saves))
+            return
+        try:
+            if st is None or st.res is None:
+                st = self._begin_save(meta)
+            if st.res is not None:
+                try:
+                    self._finish_copies(st)
+                    return
+                except Exception as e:  # the staged path below still saves the chunks
+                    with contextlib.suppress(Exception):
+                        self._open_store().abort_reservation(st.res)  # type: ignore[attr-defined]
+                    self._stats.inc("store_errors", "save")
+                    self._log_once(
+                        f"zerocopy:{type(e).__name__}",
+                        "tiered cache zero-copy save failed (%r); using staged saves", e,
+                    )
+                    logger.debug("zero-copy save failure", exc_info=True)
+                    st.res = None
+            self._save_staged(st)
+        except OSError as e:  # the agent went away: later steps skip saving until it is back
+            self._guard.failed(e)
+            self._stats.inc("store_errors", "save")
+            self._stats.inc("saves_skipped", "", len(meta.saves))
+        except Exception as e:  # a failed save is a future miss, not an engine crash
+            self._stats.inc("store_errors", "save")
+            self._log_once(f"save:{type(e).__name__}", "tiered cache save failed: %r", e)
+            logger.debug("save failure", exc_info=True)
+        else:
+            self._guard.ok()
+
+    def _begin_save(self, meta: TieredCacheConnectorMetadata) -> _StepSave:
+        """The step's chunks to save (deduplicated), with DRAM slots reserved for them when
+        the store takes zero-copy puts and they all fit."""
+        kv = self._kv
+        if kv is None:
+            raise RuntimeError("KV caches were not registered")
+        store = self._open_store()
+        seen: set[str] = set()
+        todo: list[tuple[SaveChunk, str, str | None]] = []
+        for s in meta.saves:
+            key, parent = s.key, s.parent
+            if self._tp_rank != 0 and s.req_id in meta.save_tokens:
+                toks, salt = meta.save_tokens[s.req_id]
+                ks = self._req_keys(toks, salt)
+                key, parent = ks[s.index], (ks[s.index - 1] if s.index else None)
+                if s.aligned:
+                    key = tc_keys.partial_keys(toks, self._fp, salt, parent,
+                                               s.index * self._chunk_size, [s.num_tokens])[0]
+            if key not in seen:
+                seen.add(key)
+                todo.append((s, key, parent))
+        st = _StepSave(todo, None, [], [], t0=time.perf_counter())
+        reserve = getattr(store, "reserve_payloads", None)
+        if reserve is None or not todo:
+            return st
+        sizes = [kv.payload_nbytes(len(s.block_ids)) for s, _, _ in todo]
+        res = reserve(sizes)
+        if res is None:
+            return st  # no room for all of them in DRAM: the staged path copes
+        st.res = res
+        st.dests = [
+            payload_tensor(v, kv.dtype, kv.payload_shape(len(s.block_ids)))
+            for v, (s, _, _) in zip(res.views, todo, strict=True)
+        ]
+        st.idx = [kv.index(s.block_ids) for s, _, _ in todo]
+        return st
+
+    def _finish_copies(self, st: _StepSave) -> None:
+        """Join the layer copies (copying any layer the model never reported), then hand
+        checksum + commit to a helper thread: vLLM may reuse the blocks once this returns."""
+        kv = self._kv
+        assert kv is not None and st.res is not None
+        for f in st.copies:
+            f.result()
+        with torch.inference_mode():
+            for li in range(kv.num_layers):
+                if li not in st.layers:
+                    for idx, dst in zip(st.idx, st.dests, strict=True):
+                        kv.gather_layer(li, idx, dst[li])
+        if self._save_stream is not None:
+            self._save_stream.synchronize()
+        kv.synchronize()
+        store = self._open_store()
+        metas = [self._chunk_meta(s, key) for s, key, _ in st.todo]
+        parents = [p for _, _, p in st.todo]
+        nbytes = sum(v.nbytes for v in st.res.views)
+        res = st.res
+
+        def commit() -> None:
+            try:
+                store.commit_payloads(res, metas, parents)  # type: ignore[attr-defined]
+            except OSError as e:  # the agent went away: later steps skip saving
+                self._stats.inc("store_errors", "save")
+                self._guard.failed(e)
+            except Exception as e:
+                self._stats.inc("store_errors", "save")
+                self._log_once(f"commit:{type(e).__name__}", "tiered cache save failed: %r", e)
+
+        # Counted now, not in commit(): vLLM collects stats once per engine step, and a
+        # prefill-only request has no later step to carry them (a failed commit is counted
+        # in store_errors).
+        self._saved(len(metas), nbytes, time.perf_counter() - st.t0)
+        self._pending_commits = [f for f in self._pending_commits if not f.done()]
+        self._pending_commits.append(self._finisher().submit(commit))
+
+    def drain_saves(self, timeout: float | None = None) -> None:
+        """Wait for saves handed to the commit thread (shutdown, tests)."""
+        for f in list(self._pending_commits):
+            with contextlib.suppress(Exception):
+                f.result(timeout)
+        self._pending_commits.clear()
+
+    def _chunk_meta(self, s: SaveChunk, key: str) -> ChunkMeta:
+        kv = self._kv
+        assert kv is not None
+        return ChunkMeta(
+            key=key,
+            fingerprint=self._fp.digest,
+            num_tokens=s.num_tokens,
+            dtype=dtype_name(kv.dtype),
+            shape=kv.payload_shape(len(s.block_ids)),
+            kv_layout=self._id.kv_layout,
+            block_size=self._block_size,
+        )
+
+    def _saved(self, n: int, nbytes: int, dt: float) -> None:
+        self._stats.inc("stored_chunks", "", n)
+        self._stats.inc("stored_bytes", "", nbytes)
+        self._stats.observe("store_seconds", "", dt)
+        logger.debug("saved %d chunks (%.1f MiB) in %.1f ms", n, nbytes / 2**20, dt * 1000)
+
+    def _save_staged(self, st: _StepSave) -> None:
+        """Gather into host staging, then ``put_many`` (any ChunkStore), synchronously."""
+        kv, staging = self._kv, self._save_staging
+        if kv is None or staging is None:
+            raise RuntimeError("KV caches were not registered")
+        store = self._open_store()
+        nbytes_total = 0
+        for batch in _batches(st.todo, lambda t: kv.payload_nbytes(len(t[0].block_ids)),
+                              self._max_staging):
+            need = sum(kv.payload_nbytes(len(t[0].block_ids)) for t in batch)
+            buf = staging.reserve(need)
+            items: list[tuple[ChunkMeta, memoryview]] = []
+            off = 0
+            for s, key, _ in batch:
+                nb = len(s.block_ids)
+                n = kv.payload_nbytes(nb)
+                flat = buf[off : off + n]
+                kv.gather(s.block_ids, flat.view(kv.dtype).view(kv.payload_shape(nb)))
+                items.append((self._chunk_meta(s, key), flat.numpy().data))
+                off += n
+            kv.synchronize()
+            # put_many returns once the bytes are copied out of staging.
+            if self._put_takes_parents(store):
+                store.put_many(items, parents=[t[2] for t in batch])  # type: ignore[call-arg]
+            else:
+                store.put_many(items)
+            nbytes_total += off
+        self._saved(len(st.todo), nbytes_total, time.perf_counter() - st.t0)
+
+    _parents_ok: bool | None = None
+
+    def _put_takes_parents(self, store: ChunkStore) -> bool:
+        """Whether the store's put_many accepts ``parents`` (an AgentClient extension)."""
+        if self._parents_ok is None:
+            try:
+                params = inspect.signature(store.put_many).parameters
+                self._parents_ok = "parents" in params
+            except (TypeError, ValueError):
+                self._parents_ok = False
+        return self._parents_ok
+
+    def shutdown(self) -> None:
+        self.drain_saves(timeout=60)
+        for pool in (self._copy_pool, self._finish_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._copy_pool = self._finish_pool = None
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+        self.close_store()
+
+
+# How a store's refusal ("mismatch", "verification": see client.LoadReport) is counted.
+_REFUSED = {"mismatch": "layout_mismatch", "verification": "verification"}
+_WHY = {
+    "missing": "missing (evicted since the lookup, or failed verification in the store)",
+    "verification": "failed verification (damaged payload)",
+    "layout_mismatch": "written under another key or fingerprint",
+}
+
+
+def _tier_counts(tiers: Sequence[str]) -> str:
+    """``dram`` or ``dram:2,nvme:1``: which tiers served a request's chunks."""
+    counts: dict[str, int] = {}
+    for t in tiers:
+        counts[t] = counts.get(t, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ",".join(f"{t}:{n}" for t, n in counts.items()) or "-"
+
+
+def _fetch(
+    store: ChunkStore,
+    keys: Sequence[str],
+    fingerprint: bytes,
+    sink: Callable[[int, ChunkMeta, memoryview], None],
+) -> tuple[list[bool], list[str], dict[int, str]]:
+    """Hand each verified chunk to ``sink``. Returns which keys were delivered, the source
+    that served each ("" when the store does not say) and why returned chunks were refused.
+
+    Uses the store's zero-copy ``load_report``/``load_many`` when it has one, else
+    ``get_many``.
+    """
+    load_report = getattr(store, "load_report", None)
+    if callable(load_report):
+        rep = load_report(keys, fingerprint, sink)
+        return list(rep.ok), list(rep.sources), dict(rep.failures)
+    none = [""] * len(keys)
+    load_many = getattr(store, "load_many", None)
+    if callable(load_many):
+        return list(load_many(keys, fingerprint, sink)), none, {}
+    got = store.get_many(keys, fingerprint)
+    ok = [False] * len(keys)
+    for i, item in enumerate(got):
+        if item is None:
+            break  # vLLM recomputes from the first failed block on: skip the rest
+        sink(i, item[0], item[1])
+        ok[i] = True
+    return ok, none, {}
+
+
+def _batches(items: Iterable[Any], size: Callable[[Any], int], limit: int) -> Iterable[list[Any]]:
+    batch: list[Any] = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if batch and total + n > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(it)
+        total += n
+    if batch:
+        yield batch
