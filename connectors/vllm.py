@@ -78,7 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from connectors.vllm_common import build_identity
+from connectors.vllm_common import ConnectorArgs, build_identity
 from connectors.vllm_metadata import (
     LoadChunk,
     LoadJob,
@@ -130,10 +130,11 @@ class TieredCacheConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        args = ConnectorArgs(vllm_config, role, kv_cache_config, ktc)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(vllm_config, role, kv_cache_config, ktc)
+            self.scheduler = SchedulerSide(args)
         else:
-            self.worker = WorkerSide(vllm_config, role, kv_cache_config, ktc)
+            self.worker = WorkerSide(args)
 
     @property
     def _s(self) -> SchedulerSide:

@@ -149,16 +149,23 @@ def _tp_rank() -> int:
         return 0
 
 
+@dataclass(frozen=True)
+class ConnectorArgs:
+    """What vLLM gives a connector, for either half."""
+
+    vllm_config: VllmConfig
+    role: KVConnectorRole
+    kv_cache_config: KVCacheConfig | None
+    ktc: KVTransferConfig
+
+
 class ConnectorBase:
     """State and agent access both halves need."""
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None,
-        ktc: KVTransferConfig,
-    ) -> None:
+    def __init__(self, args: ConnectorArgs) -> None:
+        vllm_config, role, kv_cache_config, ktc = (
+            args.vllm_config, args.role, args.kv_cache_config, args.ktc
+        )
         self._vllm_config = vllm_config
         self._kv_transfer_config = ktc
         self._extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})

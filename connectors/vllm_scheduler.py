@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
-    KVConnectorRole,
 )
 
-from connectors.vllm_common import ConnectorBase, _chunk_bytes, logger
+from connectors.vllm_common import ConnectorArgs, ConnectorBase, _chunk_bytes, logger
 from connectors.vllm_kvio import ChunkSpan, load_block_ranges, loadable_spans
 from connectors.vllm_kvio import chunk_spans as _chunk_spans
 from connectors.vllm_metadata import (
@@ -36,10 +35,8 @@ except ImportError:  # pragma: no cover - older vLLM
     CacheHitSource = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
-    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -95,19 +92,13 @@ class _ReqState:
 
 
 class SchedulerSide(ConnectorBase):
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None,
-        ktc: KVTransferConfig,
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config, ktc)
+    def __init__(self, args: ConnectorArgs) -> None:
+        super().__init__(args)
         self._reqs: dict[str, _ReqState] = {}
         self._matches: dict[str, _Match] = {}
         self._waits: dict[str, _Wait] = {}
         self._rate = RecomputeRate()  # this engine's prompt-token cost, from its steps
-        self._chunk_bytes = _chunk_bytes(kv_cache_config, self._extra)
+        self._chunk_bytes = _chunk_bytes(args.kv_cache_config, self._extra)
         self._first_seen: dict[str, float] = {}
         self._hit_sources: dict[str, dict[str, int]] = {}
         self._pending_loads: list[LoadJob] = []
@@ -115,20 +106,18 @@ class SchedulerSide(ConnectorBase):
         self._no_reload: set[str] = set()  # reqs whose load failed
         self._looked_up: set[str] = set()  # reqs counted in the lookups metric
 
-        if True:  # the scheduler connects at start-up
-            policy = getattr(ktc, "kv_load_failure_policy", "recompute")
-            if self._load_enabled and policy != "recompute":
-                logger.warning(
-                    "TieredCacheConnector: kv_load_failure_policy=%r, so a chunk that is "
-                    "evicted or fails verification between lookup and load fails its request "
-                    "(HTTP 500). Set \"kv_load_failure_policy\": \"recompute\" in "
-                    "--kv-transfer-config to have vLLM recompute it instead.",
-                    policy,
-                )
-            # A config that cannot work fails at startup; an agent that is not up yet
-            # leaves the connector serving without the cache until it is.
-            self._guarded("connect", lambda st: None, None)
-
+        policy = getattr(args.ktc, "kv_load_failure_policy", "recompute")
+        if self._load_enabled and policy != "recompute":
+            logger.warning(
+                "TieredCacheConnector: kv_load_failure_policy=%r, so a chunk that is "
+                "evicted or fails verification between lookup and load fails its request "
+                "(HTTP 500). Set \"kv_load_failure_policy\": \"recompute\" in "
+                "--kv-transfer-config to have vLLM recompute it instead.",
+                policy,
+            )
+        # A config that cannot work fails at startup; an agent that is not up yet leaves
+        # the connector serving without the cache until it is.
+        self._guarded("connect", lambda st: None, None)
 
     def on_new_request(self, request: Request) -> None:
         if self._load_enabled:

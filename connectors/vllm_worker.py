@@ -15,11 +15,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
-    KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
 
-from connectors.vllm_common import ConnectorBase, _as_bool, _single_group_spec, logger
+from connectors.vllm_common import (
+    ConnectorArgs,
+    ConnectorBase,
+    _as_bool,
+    _single_group_spec,
+    logger,
+)
 from connectors.vllm_kvio import HostStaging, PagedKV, dtype_name, payload_tensor
 from connectors.vllm_metadata import (
     LoadChunk,
@@ -35,10 +40,8 @@ from tiered_cache.client import SlotReservation
 from tiered_cache.codec import ChunkMeta
 
 if TYPE_CHECKING:
-    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 @dataclass
@@ -57,14 +60,8 @@ class _StepSave:
 
 
 class WorkerSide(ConnectorBase):
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None,
-        ktc: KVTransferConfig,
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config, ktc)
+    def __init__(self, args: ConnectorArgs) -> None:
+        super().__init__(args)
         self._kv: PagedKV | None = None
         self._save_staging: HostStaging | None = None
         self._loader: ThreadPoolExecutor | None = None
