@@ -78,14 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from connectors.vllm_common import ConnectorArgs, build_identity
-from connectors.vllm_metadata import (
-    LoadChunk,
-    LoadJob,
-    SaveChunk,
-    TieredCacheConnectorMetadata,
-    TieredCacheWorkerMeta,
-)
+from connectors.vllm_common import ConnectorArgs
 from connectors.vllm_metrics import TieredCacheConnectorStats, TieredCachePromMetrics
 from connectors.vllm_scheduler import SchedulerSide
 from connectors.vllm_worker import WorkerSide
@@ -106,15 +99,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = [
-    "LoadChunk",
-    "LoadJob",
-    "SaveChunk",
-    "TieredCacheConnector",
-    "TieredCacheConnectorMetadata",
-    "TieredCacheWorkerMeta",
-    "build_identity",
-]
+__all__ = ["TieredCacheConnector"]
 
 
 class TieredCacheConnector(KVConnectorBase_V1):
