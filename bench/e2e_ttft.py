@@ -557,7 +557,8 @@ def run(
     cases["peer_hit"]["node_b_hits"] = {
         k: v for k, v in b_stats.items() if k.startswith("tiered_cache_hits_total")
     }
-    peer_bytes = int(b_stats.get("tiered_cache_read_bytes_total{tier=peer}", 0) / max(1, runs))
+    # Node B restarts before each run (empty DRAM), so its counters hold the last run's.
+    peer_bytes = int(b_stats.get("tiered_cache_read_bytes_total{tier=peer}", 0))
     say(f"raw socket reference: {peer_bytes / 2**20:.1f} MiB from node A to node B over TCP")
     raw = raw_socket_s(host, on_b, peer_bytes, max(3, runs))
     cases["raw_socket"] = {"bytes": peer_bytes, "runs_s": raw, "ttft_s": statistics.median(raw),
