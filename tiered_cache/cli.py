@@ -162,10 +162,10 @@ def _tier_list(tiers: str, what: str = "tier") -> list[str]:
 
 def _agent_op(cfg: CacheConfig, op: str, *, hint: str = "", **kw: Any) -> dict[str, Any]:
     """One request to this node's agent over its socket (no shared-memory attach)."""
-    from tiered_cache.dashboard import AgentUnreachable, agent_call
+    from tiered_cache.protocol import AgentUnreachable, agent_call, request
 
     try:
-        return asyncio.run(agent_call(cfg.socket_path, {"op": op, **kw}))
+        return asyncio.run(agent_call(cfg.socket_path, request(op, **kw)))
     except AgentUnreachable:
         raise CliError(
             f"no node agent at {cfg.socket_path}; start `tiered-cache agent`{hint}"
@@ -279,13 +279,14 @@ class _Admin:
     ) -> tuple[list[Any], dict[str, dict[str, str]], dict[str, dict[str, list[str]]]]:
         """Pins, their residency on this node (when its agent runs) and, with Redis and
         ``fleet``, the nodes holding each pin per tier."""
-        from tiered_cache.dashboard import AgentUnreachable, Collector, agent_call
+        from tiered_cache.dashboard import Collector
         from tiered_cache.directory import Pin
+        from tiered_cache.protocol import AgentUnreachable, PinLs, agent_call
 
         pins: list[Any] = []
         res: dict[str, dict[str, str]] = {}
         try:
-            r = asyncio.run(agent_call(self.cfg.socket_path, {"op": "pin_ls"}))
+            r = asyncio.run(agent_call(self.cfg.socket_path, PinLs()))
             pins = [Pin.model_validate(p) for p in r["pins"]]
             res = r["residency"]
             have_agent = True

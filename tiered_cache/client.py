@@ -28,6 +28,24 @@ from tiered_cache.api import PayloadLike
 from tiered_cache.codec import ChunkMeta
 from tiered_cache.config import CacheConfig, load_config
 from tiered_cache.ipc import ConnectionLost, IPCError, call_sync, send_only
+from tiered_cache.protocol import (
+    Abort,
+    Commit,
+    Get,
+    Hello,
+    Locate,
+    Lookup,
+    Prefetch,
+    Present,
+    Put,
+    RegisterModel,
+    Release,
+    Request,
+    Reserve,
+    Touch,
+    encode,
+    request,
+)
 from tiered_cache.tiers.shm_index import SlotIndexReader
 
 log = logging.getLogger(__name__)
@@ -104,7 +122,7 @@ class AgentClient:
         self._broken = False
         self._conn_gen = getattr(self, "_conn_gen", 0) + 1  # reservations die with a connection
         self._stash: list[tuple[int, int]] = []  # (slot, bytes) reserved for our next put
-        hello = call_sync(sock, {"op": "hello"})
+        hello = call_sync(sock, encode(Hello()))
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
         self.slot_bytes: int = hello["slot_bytes"]
@@ -138,9 +156,10 @@ class AgentClient:
             except (OSError, ValueError) as e:  # every load then asks the agent
                 log.warning("shared DRAM index unavailable (%s): loads go through the agent", e)
         for m in self._models:  # a restarted agent forgot what this client registered
-            call_sync(sock, {"op": "register_model", "model": m})
+            call_sync(sock, encode(RegisterModel(m)))
 
-    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, req: Request) -> dict[str, Any]:
+        msg = encode(req)
         with self._lock:
             if self._broken:  # the last exchange failed: never read its late reply
                 self._reconnect_locked()
@@ -152,8 +171,9 @@ class AgentClient:
                 self._break_locked()
                 raise
 
-    def _send(self, msg: dict[str, Any]) -> None:
+    def _send(self, req: Request) -> None:
         """One-way message (the agent does not answer)."""
+        msg = encode(req)
         with self._lock:
             if self._broken:
                 return  # the agent dropped this connection's state with it
@@ -196,12 +216,12 @@ class AgentClient:
         if not keys:
             return []
         return self._retry(
-            lambda: list(self._call({"op": "lookup", "keys": list(keys)})["sources"])
+            lambda: list(self._call(Lookup(list(keys)))["sources"])
         )
 
     def ping(self) -> None:
         """One round trip (reconnecting first if the last exchange failed)."""
-        self._retry(lambda: self._call({"op": "hello"}))
+        self._retry(lambda: self._call(Hello()))
 
     def lookup_priced(
         self, keys: Sequence[str], nbytes: int = 0
@@ -211,8 +231,7 @@ class AgentClient:
         if not keys:
             return [], []
         r = self._retry(
-            lambda: self._call({"op": "lookup", "keys": list(keys), "priced": True,
-                                "nbytes": int(nbytes)})
+            lambda: self._call(Lookup(list(keys), priced=True, nbytes=int(nbytes)))
         )  # fmt: skip
         return list(r["sources"]), [float(c) for c in r["costs"]]
 
@@ -222,8 +241,7 @@ class AgentClient:
         """Each key on its own (no prefix rule): (source, expected load seconds) or None."""
         if not keys:
             return []
-        r = self._retry(lambda: self._call({"op": "present", "keys": list(keys),
-                                            "nbytes": int(nbytes)}))  # fmt: skip
+        r = self._retry(lambda: self._call(Present(list(keys), int(nbytes))))  # fmt: skip
         return [None if f is None else (str(f[0]), float(f[1])) for f in r["found"]]
 
     def prefetch(self, keys: Sequence[str], fingerprint: bytes | None = None) -> int:
@@ -231,8 +249,7 @@ class AgentClient:
         or S3); poll ``in_dram``. Returns how many copies it started."""
         if not keys:
             return 0
-        r = self._retry(lambda: self._call({"op": "prefetch", "keys": list(keys),
-                                            "fp": fingerprint}))  # fmt: skip
+        r = self._retry(lambda: self._call(Prefetch(list(keys), fingerprint)))  # fmt: skip
         return int(r["started"])
 
     def in_dram(self, keys: Sequence[str]) -> list[bool] | None:
@@ -248,7 +265,7 @@ class AgentClient:
         """Node ids holding each key in DRAM or NVMe, cluster-wide (from the directory)."""
         if not keys:
             return []
-        reply = self._retry(lambda: self._call({"op": "locate", "keys": list(keys)}))
+        reply = self._retry(lambda: self._call(Locate(list(keys))))
         return [list(n) for n in reply["nodes"]]
 
     def register_model(self, model: Mapping[str, Any]) -> str:
@@ -256,7 +273,7 @@ class AgentClient:
         which keeps it in the directory while this client stays connected. Returns its hex."""
         doc = dict(model)
         h = str(
-            self._retry(lambda: self._call({"op": "register_model", "model": doc}))["fingerprint"]
+            self._retry(lambda: self._call(RegisterModel(doc)))["fingerprint"]
         )
         self._models.append(doc)
         return h
@@ -281,7 +298,7 @@ class AgentClient:
         if not todo:
             return rep
         want = [keys[i] for i in todo]
-        items = self._call({"op": "get", "keys": want, "fp": fingerprint})["items"]
+        items = self._call(Get(list(want), fingerprint))["items"]
         leased: list[int] = []
         try:
             for i, key, item in zip(todo, want, items, strict=True):
@@ -296,7 +313,7 @@ class AgentClient:
                 self._deliver(i, key, raw, fingerprint, sink, rep)
         finally:
             if leased:  # one-way: a get costs one round trip
-                self._send({"op": "release", "slots": leased})
+                self._send(Release(leased))
         return rep
 
     def _load_direct(
@@ -359,7 +376,7 @@ class AgentClient:
         sock = self._sock
         sock.settimeout(_TOUCH_SEND_S)  # a stalled agent must not stall direct reads long
         try:
-            send_only(sock, {"op": "touch", "hits": hits})
+            send_only(sock, encode(Touch(hits)))
         except (ConnectionLost, OSError):
             # Part of a frame may have gone out: the stream is unusable. The next call
             # reconnects instead of reading out of step.
@@ -448,7 +465,7 @@ class AgentClient:
                 else:
                     slots[i] = self._stash.pop(at)[0]
             if rest:
-                got = self._call({"op": "reserve", "sizes": [sizes[i] for i in rest]})["slots"]
+                got = self._call(Reserve([sizes[i] for i in rest]))["slots"]
                 for i, sl in zip(rest, got, strict=True):
                     slots[i] = sl
         commits: list[list[Any]] = []
@@ -458,14 +475,7 @@ class AgentClient:
             ):
                 parent = parents[i] if parents else None
                 if slot is None:  # no room in DRAM (or too large): inline copy to the agent
-                    self._call(
-                        {
-                            "op": "put",
-                            "key": meta.key,
-                            "data": codec.encode(meta, payload),
-                            "wait": wait,
-                        }
-                    )
+                    self._call(Put(meta.key, bytes(codec.encode(meta, payload)), wait))
                     continue
                 dst = self._slot(slot, sizes[i])
                 fut = _HASH_POOL.submit(codec.checksum, payload)  # overlaps the copy
@@ -479,11 +489,11 @@ class AgentClient:
                 )
                 commits.append([meta.key, slot, sizes[i], parent, i])
         except BaseException:
-            self._call({"op": "abort", "slots": [s for s in slots if s is not None]})
+            self._call(Abort([s for s in slots if s is not None]))
             raise
         if commits:
             refill = max(0, min(len(commits), _STASH_MAX) - len(self._stash))
-            r = self._call({"op": "commit", "items": commits, "wait": wait, "refill": refill})
+            r = self._call(Commit(commits, wait, refill))
             self._stash.extend((int(sl), int(cap)) for sl, cap in r.get("slots", ()))
 
     # -- zero-copy puts: the caller writes payloads straight into reserved DRAM slots
@@ -495,7 +505,7 @@ class AgentClient:
         if self._buf is None or not payload_sizes:
             return None
         sizes = [codec.HEADER_SIZE + n for n in payload_sizes]
-        slots = self._retry(lambda: self._call({"op": "reserve", "sizes": sizes})["slots"])
+        slots = self._retry(lambda: self._call(Reserve(sizes))["slots"])
         res = SlotReservation(list(slots), [], sizes, self._conn_gen)
         if any(s is None for s in slots):
             self.abort_reservation(res)
@@ -524,7 +534,7 @@ class AgentClient:
             head = self._slot(slot, codec.HEADER_SIZE)
             head[:] = codec.pack_header(meta, view, payload_checksum=sums[i])
             commits.append([meta.key, slot, res.sizes[i], parents[i] if parents else None, i])
-        self._call({"op": "commit", "items": commits, "wait": wait})
+        self._call(Commit(commits, wait))
 
     def abort_reservation(self, res: SlotReservation) -> None:
         if res.gen != self._conn_gen:
@@ -532,10 +542,10 @@ class AgentClient:
         held = [s for s in res.slots if s is not None]
         if held:
             with contextlib.suppress(ConnectionLost, OSError):
-                self._call({"op": "abort", "slots": held})
+                self._call(Abort(held))
 
     def admin(self, op: str, **kw: Any) -> dict[str, Any]:
-        return self._retry(lambda: self._call({"op": op, **kw}))
+        return self._retry(lambda: self._call(request(op, **kw)))
 
     def close(self) -> None:
         try:

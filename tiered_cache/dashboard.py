@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_cache.config import CacheConfig
-from tiered_cache.ipc import IPCError, pack, read_msg
+from tiered_cache.ipc import IPCError
+from tiered_cache.protocol import Counters, Nodes, PinLs, Stats, agent_call
 
 log = logging.getLogger(__name__)
 
@@ -49,31 +50,6 @@ _FLAT_RE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?$")
 
 
 # --------------------------------------------------------------------------- sources
-
-
-class AgentUnreachable(IPCError):
-    """Nothing answers on the agent's socket."""
-
-
-async def agent_call(path: str, msg: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
-    """One request to a node agent over its unix socket (no shared-memory attach)."""
-    try:
-        r, w = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
-    except (OSError, asyncio.TimeoutError) as e:
-        raise AgentUnreachable(f"no node agent at {path} ({type(e).__name__})") from None
-    try:
-        w.write(pack(msg))
-        await w.drain()
-        reply = await asyncio.wait_for(read_msg(r), timeout)
-    finally:
-        w.close()
-        with contextlib.suppress(Exception):
-            await w.wait_closed()
-    if reply is None:
-        raise IPCError(f"agent at {path} closed the connection")
-    if not reply.get("ok"):
-        raise IPCError(str(reply.get("error", "unknown error")))
-    return reply
 
 
 def parse_flat(key: str) -> tuple[str, dict[str, str]]:
@@ -190,14 +166,14 @@ class Collector:
         if self.use_agent:
             sock = self.cfg.socket_path
             try:
-                st = await agent_call(sock, {"op": "stats"})
+                st = await agent_call(sock, Stats())
                 rd.node_id = st["node_id"]
                 rd.usage = st["usage"]
                 for k, v in st["metrics"].items():
                     name, labels = parse_flat(k)
                     rd.samples.append((name, labels, float(v)))
                 rd.metric_sources.append(f"agent {rd.node_id} ({sock})")
-                pl = await agent_call(sock, {"op": "pin_ls"})
+                pl = await agent_call(sock, PinLs())
                 rd.pins = list(pl["pins"])
                 rd.residency = dict(pl["residency"])
             except IPCError as e:
@@ -221,8 +197,8 @@ class Collector:
             rd.directory_ok = not d.degraded
         elif rd.agent_error is None:
             try:
-                rd.nodes = (await agent_call(self.cfg.socket_path, {"op": "nodes"}))["nodes"]
-                rd.counters = (await agent_call(self.cfg.socket_path, {"op": "counters"}))[
+                rd.nodes = (await agent_call(self.cfg.socket_path, Nodes()))["nodes"]
+                rd.counters = (await agent_call(self.cfg.socket_path, Counters()))[
                     "counters"
                 ]
                 rd.counters_ok = True

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from policies import AdmissionPolicy, EntryInfo, EvictionPolicy, make_admission, make_eviction
 from tiered_cache import codec
@@ -762,7 +762,7 @@ class TieredStore:
         self.metrics.bytes_read.labels("dram").inc(nbytes)
         self.metrics.hit_tokens.labels("dram").inc(tokens)
 
-    def note_dram_hits(self, hits: Sequence[tuple[str, int, int]]) -> None:
+    def note_dram_hits(self, hits: Sequence[Sequence[Any]]) -> None:
         """Account for ``(key, bytes, tokens)`` a client read straight from the pool through
         the shared index (no lease): recency for eviction, and the hit metrics."""
         top = self._dram()  # only a DRAM tier has a shared index to read through

@@ -1,0 +1,203 @@
+"""Operators' requests: stats, pins, ls, evict, flush, warm, clear, nodes, counters,
+models. Admin writes need the agent's token when it has one."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from tiered_cache import codec
+from tiered_cache.agent.state import AgentState
+from tiered_cache.directory import Pin
+from tiered_cache.metrics import Metrics
+from tiered_cache.protocol import (
+    ADMIN,
+    Clear,
+    Counters,
+    Evict,
+    Flush,
+    Ls,
+    Models,
+    Nodes,
+    PinAdd,
+    PinLs,
+    PinRm,
+    Request,
+    Stats,
+    Warm,
+)
+
+if TYPE_CHECKING:
+    from tiered_cache.agent.local import Handler, _Conn
+
+log = logging.getLogger("tiered_cache.agent")
+
+
+class AdminOps(AgentState):
+    def _check_admin(self, req: Request) -> None:
+        token = self.cfg.agent.auth_token
+        if token and type(req) in ADMIN and getattr(req, "token", None) != token:
+            raise PermissionError("admin operation needs the agent's auth token")
+
+    def _admin_handlers(self) -> dict[type[Request], Handler]:
+        return {
+            Stats: self._stats_op,
+            PinAdd: self._pin_add,
+            PinRm: self._pin_rm,
+            PinLs: self._pin_ls,
+            Evict: self._evict,
+            Flush: self._flush,
+            Ls: self._ls_op,
+            Nodes: self._nodes,
+            Counters: self._counters,
+            Models: self._models_op,
+            Warm: self._warm_op,
+            Clear: self._clear_op,
+        }
+
+    async def _stats_op(self, conn: _Conn, req: Stats) -> dict[str, Any]:
+        return {
+            "node_id": self.cfg.node_id,
+            "usage": self.store.usage(),
+            "metrics": _metric_summary(self.metrics),
+        }
+
+    async def _pin_add(self, conn: _Conn, req: PinAdd) -> dict[str, Any]:
+        pin = Pin.model_validate(req.pin)
+        self.store.check_pin(pin, req.chunk_bytes)
+        await self.directory.add_pin(pin)
+        await self._sync_pins()
+        return {"id": pin.id}
+
+    async def _pin_rm(self, conn: _Conn, req: PinRm) -> dict[str, Any]:
+        ok = await self.directory.remove_pin(req.id)
+        await self._sync_pins()
+        return {"removed": ok}
+
+    async def _pin_ls(self, conn: _Conn, req: PinLs) -> dict[str, Any]:
+        pins = await self.directory.list_pins()
+        res = await self._residency(pins)
+        return {"pins": [p.model_dump() for p in pins], "residency": res}
+
+    async def _evict(self, conn: _Conn, req: Evict) -> dict[str, Any]:
+        await self.store.delete(req.key, tiers=req.tiers)
+        return {}
+
+    async def _flush(self, conn: _Conn, req: Flush) -> dict[str, Any]:
+        await self.store.flush()
+        return {"written_back": await self.write_back_dirty()}
+
+    async def _ls_op(self, conn: _Conn, req: Ls) -> dict[str, Any]:
+        """Chunk keys with a prefix, across this node's tiers."""
+        return self._ls(req.prefix, req.limit)
+
+    async def _nodes(self, conn: _Conn, req: Nodes) -> dict[str, Any]:
+        return {"nodes": await self.directory.nodes()}
+
+    async def _counters(self, conn: _Conn, req: Counters) -> dict[str, Any]:
+        return {"counters": await self.directory.counters()}
+
+    async def _models_op(self, conn: _Conn, req: Models) -> dict[str, Any]:
+        return {"models": [r.model_dump() for r in await self.directory.models()]}
+
+    async def _warm_op(self, conn: _Conn, req: Warm) -> dict[str, Any]:
+        pin = await self.directory.get_pin(req.id)
+        if pin is None:
+            raise ValueError(f"no pin with id {req.id}")
+        return await self._warm(pin)
+
+    async def _clear_op(self, conn: _Conn, req: Clear) -> dict[str, Any]:
+        """Drop every chunk of one tier (pinned ones only when asked)."""
+        return await self._clear(req.tier, req.include_pinned)
+
+    def _ls(self, prefix: str, limit: int) -> dict[str, Any]:
+        found: list[dict[str, Any]] = []
+        for slot in self.store.slots:
+            pinned = self.store.pinned_keys(slot.name)
+            for k, size in slot.tier.entries():
+                if k.startswith(prefix):
+                    found.append(
+                        {"key": k, "tier": slot.name, "bytes": size, "pinned": k in pinned}
+                    )
+        found.sort(key=lambda e: e["key"])
+        return {"entries": found[: max(0, limit)], "total": len(found)}
+
+    async def _warm_source(self, key: str) -> bytes | bytearray | memoryview | None:
+        """The nearest verified copy of ``key`` (a tier of this node, then a peer), read
+        without counting a hit: warming is not traffic."""
+        for slot in self.store.slots:
+            if not (await slot.tier.contains_many([key]))[0]:
+                continue
+            raw = await slot.tier.get(key)
+            if raw is None:
+                continue
+            try:
+                codec.decode(raw, expect_key=key)
+            except codec.ChunkError:
+                self.metrics.verification_failures.labels(slot.name).inc()
+                continue
+            return bytes(raw)
+        hit = await self.store._get_from_peer(key, None)
+        return None if hit is None else hit.encoded()
+
+    async def _warm(self, pin: Pin) -> dict[str, Any]:
+        """Copy each chunk of ``pin`` into every pinned tier of this node that lacks it."""
+        slots = [self.store.by_name[t] for t in pin.tiers if t in self.store.by_name]
+        copied = 0
+        missing: list[str] = []
+        for key in pin.keys:
+            lacking = [s for s in slots if not (await s.tier.contains_many([key]))[0]]
+            if not lacking:
+                continue
+            raw = await self._warm_source(key)
+            if raw is None:
+                missing.append(key)
+                continue
+            for s in lacking:
+                if await self.store._write_tier(s, key, raw, force=True):
+                    copied += 1
+        res = (await self._residency([pin]))[pin.id]
+        return {"copied": copied, "missing": missing, "residency": res}
+
+    async def _clear(self, tier: str, include_pinned: bool) -> dict[str, Any]:
+        slot = self.store.by_name.get(tier)
+        if slot is None:
+            raise ValueError(
+                f"this node has no {tier} tier (has {', '.join(s.name for s in self.store.slots)})"
+            )
+        pinned: set[str] = set() if include_pinned else self.store.pinned_keys(tier)
+        held = [k for k, _ in slot.tier.entries()]
+        keys = [k for k in held if k not in pinned]
+        for k in keys:
+            await self.store.delete(k, tiers=[tier])
+        return {"removed": len(keys), "kept_pinned": len(held) - len(keys)}
+
+    async def _residency(self, pins: list[Pin]) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        for p in pins:
+            per: dict[str, str] = {}
+            for t in p.tiers:
+                slot = self.store.by_name.get(t)
+                if slot is None:
+                    per[t] = "n/a"
+                    continue
+                have = (
+                    await slot.tier.contains_many(p.keys)
+                    if t != "s3"
+                    else [slot.tier.size_of(k) is not None for k in p.keys]
+                )
+                n = sum(have)
+                per[t] = "resident" if n == len(p.keys) else ("missing" if n == 0 else "pending")
+            out[p.id] = per
+        return out
+
+
+def _metric_summary(m: Metrics) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in m.registry.collect():
+        for s in metric.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            lbl = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{lbl}}}" if lbl else s.name] = s.value
+    return out

@@ -1,0 +1,249 @@
+"""The local server: vLLM connectors (and the CLI, dashboard and router) over the unix
+socket. Each frame is decoded into its typed request (``tiered_cache.protocol``) and
+handed to the handler the table names; this module holds the data path's handlers
+(lookups, leases, slot reservations and commits), ``admin`` the operators'."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter as CounterT
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies import EntryInfo
+from tiered_cache.agent.state import AgentState
+from tiered_cache.directory import ModelRegistration
+from tiered_cache.hierarchy import Hit, PinRefused
+from tiered_cache.ipc import pack, read_msg
+from tiered_cache.protocol import (
+    Abort,
+    Commit,
+    Get,
+    Hello,
+    Locate,
+    Lookup,
+    Prefetch,
+    Present,
+    ProtocolError,
+    Put,
+    RegisterModel,
+    Release,
+    Request,
+    Reserve,
+    Touch,
+    decode,
+)
+from tiered_cache.tiers.dram import DRAMTier
+
+log = logging.getLogger("tiered_cache.agent")
+
+
+@dataclass
+class _Conn:
+    """What one connected client holds; released when its socket closes."""
+
+    leases: CounterT[int] = field(default_factory=CounterT)
+    reserved: set[int] = field(default_factory=set)
+    models: set[str] = field(default_factory=set)  # fingerprints this client registered
+
+
+Handler = Callable[[_Conn, Any], Awaitable[dict[str, Any]]]
+
+
+class LocalServer(AgentState):
+    async def _serve_local(
+        self, r: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> None:
+        conn = _Conn()
+        me = asyncio.current_task()
+        if me is not None:
+            self._local_tasks.add(me)
+        try:
+            while True:
+                msg = await read_msg(r)
+                if msg is None:
+                    break
+                reply = await self._handle(conn, msg)
+                if msg.get("noreply"):  # fire-and-forget (release): the client reads nothing
+                    continue
+                w.write(pack(reply))
+                await w.drain()
+        except asyncio.CancelledError:
+            # The agent is stopping. End quietly: Python 3.11's stream server logs an ERROR
+            # for every handler task that ends cancelled.
+            pass
+        finally:
+            # A client that died mid-transfer must not leak slots or leases.
+            for slot, n in conn.leases.items():
+                for _ in range(n):
+                    self.store.release(slot)
+            for slot in conn.reserved:
+                self.store.abort_dram(slot)
+            for h in conn.models:
+                self._model_refs[h] -= 1
+                if self._model_refs[h] <= 0:
+                    del self._model_refs[h]
+                    self._models.pop(h, None)  # no longer refreshed; ages out of the directory
+            w.close()
+            if me is not None:
+                self._local_tasks.discard(me)
+
+    async def _handle(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one frame: the handler's result with ``ok``, or the error."""
+        try:
+            req = decode(msg)
+            self._check_admin(req)
+            reply = await self._handlers[type(req)](conn, req)
+            reply["ok"] = True
+        except ProtocolError as e:
+            log.warning("refused a request: %s", e)
+            reply = {"ok": False, "error": str(e), "kind": "protocol"}
+        except PinRefused as e:
+            reply = {"ok": False, "error": str(e), "kind": "pin_refused"}
+        except PermissionError as e:
+            reply = {"ok": False, "error": str(e), "kind": "auth"}
+        except Exception as e:
+            log.exception("request %s failed", msg.get("op"))
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return reply
+
+    def _data_handlers(self) -> dict[type[Request], Handler]:
+        return {
+            Hello: self._hello,
+            Lookup: self._lookup,
+            Present: self._present,
+            Prefetch: self._prefetch,
+            Locate: self._locate,
+            Get: self._get,
+            Touch: self._touch,
+            Release: self._release,
+            Reserve: self._reserve,
+            Commit: self._commit,
+            Abort: self._abort,
+            Put: self._put,
+            RegisterModel: self._register_model,
+        }
+
+    async def _hello(self, conn: _Conn, req: Hello) -> dict[str, Any]:
+        dram = self.store.slots[0].tier
+        pool = dram if isinstance(dram, DRAMTier) else None
+        return {
+            "node_id": self.cfg.node_id,
+            "shm_name": pool.shm_name if pool else None,
+            "index_shm": pool.shared_index.name if pool else None,
+            "slot_bytes": pool.slot_bytes if pool else 0,
+            "num_slots": pool.num_slots if pool else 0,
+            "pool_bytes": pool.pool_bytes if pool else 0,
+            "tiers": [s.name for s in self.store.slots],
+        }
+
+    async def _lookup(self, conn: _Conn, req: Lookup) -> dict[str, Any]:
+        if req.priced:  # with each chunk's expected load seconds
+            srcs, costs = await self.store.lookup_priced(req.keys, req.nbytes)
+            return {"sources": srcs, "costs": costs}
+        return {"sources": await self.store.lookup(req.keys)}
+
+    async def _present(self, conn: _Conn, req: Present) -> dict[str, Any]:
+        found = await self.store.present(req.keys, req.nbytes)
+        return {"found": [None if f is None else list(f) for f in found]}
+
+    async def _prefetch(self, conn: _Conn, req: Prefetch) -> dict[str, Any]:
+        return {"started": await self.store.prefetch(req.keys, req.fp)}
+
+    async def _locate(self, conn: _Conn, req: Locate) -> dict[str, Any]:
+        locs = await self.directory.locate(req.keys)
+        return {"nodes": [sorted({x.node_id for x in ls if x.tier != "s3"}) for ls in locs]}
+
+    async def _get(self, conn: _Conn, req: Get) -> dict[str, Any]:
+        store = self.store
+        out: list[Any] = []
+        sem = asyncio.Semaphore(8)  # chunks of one request load in parallel, bounded
+
+        async def one(key: str) -> tuple[tuple[int, int] | Hit | None, str]:
+            served: list[str] = []  # the source that actually served it, for the client
+            async with sem:
+                got = await store.lease(key, expect_fingerprint=req.fp, served=served)
+            return got, (served[0] if served else "")
+
+        for got, src in await asyncio.gather(*(one(k) for k in req.keys)):
+            if got is None:
+                out.append(None)
+            elif isinstance(got, Hit):
+                out.append({"data": got.encoded(), "src": got.source})
+            else:
+                conn.leases[got[0]] += 1
+                out.append({"slot": got[0], "len": got[1], "src": src})
+        return {"items": out}
+
+    async def _touch(self, conn: _Conn, req: Touch) -> dict[str, Any]:
+        self.store.note_dram_hits(req.hits)  # hits clients read through the shared index
+        return {}
+
+    async def _release(self, conn: _Conn, req: Release) -> dict[str, Any]:
+        for slot in req.slots:
+            if conn.leases[slot] > 0:
+                conn.leases[slot] -= 1
+                self.store.release(slot)
+        return {}
+
+    async def _reserve(self, conn: _Conn, req: Reserve) -> dict[str, Any]:
+        slots = []
+        for n in req.sizes:
+            s = await self.store.reserve_dram(n)
+            if s is not None:
+                conn.reserved.add(s)
+            slots.append(s)
+        return {"slots": slots}
+
+    async def _commit(self, conn: _Conn, req: Commit) -> dict[str, Any]:
+        store = self.store
+        for key, slot, length, parent, pos in req.items:
+            if slot not in conn.reserved:
+                raise ValueError(f"slot {slot} was not reserved by this client")
+            conn.reserved.discard(slot)
+            await store.commit_dram(key, slot, length, info=EntryInfo(parent, pos), wait=req.wait)
+        # Hand the client free runs for its next put, so a put costs one round trip
+        # (commit) instead of two: runs as long as this commit's largest chunk, only ones
+        # free without evicting, never the last quarter of the pool, and at most a 16th of
+        # it per client: in a small pool the stashes of busy clients would otherwise leave
+        # nothing to evict for a pin.
+        dram = store.slots[0].tier
+        stash: list[list[int]] = []
+        if isinstance(dram, DRAMTier) and req.items:
+            size = max(int(it[2]) for it in req.items)
+            pages = -(-size // dram.slot_bytes)
+            give = min(req.refill, 8, dram.num_slots // (16 * pages))
+            for _ in range(give):
+                if dram.free_slots - pages < dram.num_slots // 4 or not dram.has_room(size):
+                    break
+                sl = dram.reserve(size)
+                conn.reserved.add(sl)
+                stash.append([sl, pages * dram.slot_bytes])
+        return {"slots": stash}
+
+    async def _abort(self, conn: _Conn, req: Abort) -> dict[str, Any]:
+        for slot in req.slots:
+            if slot in conn.reserved:
+                conn.reserved.discard(slot)
+                self.store.abort_dram(slot)
+        return {}
+
+    async def _put(self, conn: _Conn, req: Put) -> dict[str, Any]:
+        # Inline bytes: for chunks that fit no DRAM run, or no DRAM tier.
+        await self.store.put(req.key, req.data, wait=req.wait)
+        return {}
+
+    async def _register_model(
+        self, conn: _Conn, req: RegisterModel
+    ) -> dict[str, Any]:
+        """A vLLM connector's fingerprint, kept in the directory for `pin add --model`."""
+        reg = ModelRegistration.model_validate(req.model)
+        h = reg.hex
+        if h not in conn.models:
+            conn.models.add(h)
+            self._model_refs[h] += 1
+        self._models[h] = reg
+        await self.directory.register_models(self.cfg.node_id, [reg])
+        return {"fingerprint": h}

@@ -1,0 +1,258 @@
+"""``NodeAgent``: a node's tiers, directory and servers, and their lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections import Counter as CounterT
+from collections.abc import Callable
+from typing import Any
+
+from policies import make_admission, make_eviction
+from tiered_cache.agent.admin import AdminOps
+from tiered_cache.agent.local import Handler, LocalServer
+from tiered_cache.agent.peers import PEER_STREAM_LIMIT, PeerLink
+from tiered_cache.agent.sync import DirectorySync
+from tiered_cache.config import CacheConfig
+from tiered_cache.directory import Directory, LocalDirectory, ModelRegistration, RedisDirectory
+from tiered_cache.hierarchy import TieredStore, TierSlot
+from tiered_cache.metrics import Metrics
+from tiered_cache.netaddr import advertise_host
+from tiered_cache.protocol import Request
+from tiered_cache.tiers.base import Tier
+
+log = logging.getLogger("tiered_cache.agent")
+
+
+def _policy_kwargs(p: Any) -> dict[str, Any]:
+    return {"k": p.admission_k} if p.admission.lower() == "frequency" else {}
+
+
+def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True) -> list[TierSlot]:
+    from tiered_cache.tiers.dram import DRAMTier
+
+    slots: list[TierSlot] = []
+    tiers: list[tuple[Any, Tier]] = []
+    if cfg.dram.enabled:
+        tiers.append(
+            (
+                cfg.dram,
+                DRAMTier(
+                    cfg.dram.capacity,
+                    cfg.dram.slot_bytes,
+                    shm_name=cfg.dram_shm_name,
+                    recover=recover_dram,
+                ),
+            )
+        )
+    if cfg.nvme.enabled:
+        from tiered_cache.tiers.nvme import NVMeTier
+
+        tiers.append(
+            (
+                cfg.nvme,
+                NVMeTier(
+                    cfg.nvme.path,
+                    cfg.nvme.capacity,
+                    max_concurrency=cfg.nvme.max_concurrency,
+                    o_direct=cfg.nvme.o_direct,
+                    metrics=metrics,
+                ),
+            )
+        )
+    if cfg.s3.enabled:
+        from tiered_cache.tiers.s3 import S3Tier
+
+        tiers.append(
+            (
+                cfg.s3,
+                S3Tier.from_url(
+                    cfg.s3.url,
+                    endpoint_url=cfg.s3.endpoint_url,
+                    region=cfg.s3.region,
+                    capacity_bytes=cfg.s3.capacity,
+                    max_concurrency=cfg.s3.max_concurrency,
+                    connect_timeout=cfg.s3.connect_timeout_s,
+                    read_timeout=cfg.s3.read_timeout_s,
+                    max_attempts=cfg.s3.max_attempts,
+                    metrics=metrics,
+                ),
+            )
+        )
+    for tc, tier in tiers:
+        slots.append(
+            TierSlot(
+                tier=tier,
+                eviction=make_eviction(tc.eviction),
+                admission=make_admission(tc.admission, **_policy_kwargs(tc)),
+                write_mode=getattr(tc, "write_mode", "write_back"),
+                pin_budget_fraction=tc.pin_budget_fraction,
+            )
+        )
+    return slots
+
+
+def build_directory(cfg: CacheConfig, metrics: Metrics) -> Directory:
+    if cfg.redis_url:
+        return RedisDirectory.from_url(cfg.redis_url, metrics=metrics)
+    return LocalDirectory()
+
+
+class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
+    """One node's cache: its tiers, directory and servers (see the package docstring)."""
+
+    def __init__(self, cfg: CacheConfig, *, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        # Read before any tier or socket exists: a pin file that cannot be used stops the
+        # start-up with one error naming it.
+        self._file_pins = self._read_pin_file()
+        # Likewise an address peers could not reach (a wildcard, or loopback with a shared
+        # directory).
+        self._advertise = advertise_host(cfg) if cfg.agent.peer_port is not None else ""
+        self._pin_import_lock = asyncio.Lock()
+        self._pin_import_retry = False  # the directory was unreachable: retry the import
+        self._reload_task: asyncio.Task[bool] | None = None
+        self.metrics = metrics or Metrics()
+        self.directory = build_directory(cfg, self.metrics)
+        self.store = TieredStore(
+            build_tiers(cfg, self.metrics),
+            node_id=cfg.node_id,
+            directory=self.directory,
+            metrics=self.metrics,
+            location_ttl_s=cfg.location_ttl_s,
+            verify_dram=cfg.dram.verify_reads,
+            peer_fetch=self._peer_fetch,
+        )
+        self._servers: list[asyncio.base_events.Server] = []
+        self._local_tasks: set[asyncio.Task[None]] = set()  # one per connected client or peer
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self._pins_version = -1
+        self.peer_address: tuple[str, int] | None = None
+        # Per peer: idle connections, and a bound on fetches in flight (one per connection).
+        self._peer_idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._peer_sems: dict[str, asyncio.Semaphore] = {}
+        self._peer_addrs: dict[str, tuple[str, int]] = {}  # from the directory's heartbeats
+        self._counted: dict[str, float] = {}
+        # Fingerprints of connected vLLM connectors (refreshed in the directory with every
+        # heartbeat while a client that registered them stays connected).
+        self._models: dict[str, ModelRegistration] = {}
+        self._model_refs: CounterT[str] = CounterT()
+        # One handler per protocol message (local.py: the data path; admin.py: operators).
+        self._handlers: dict[type[Request], Handler] = {
+            **self._data_handlers(),
+            **self._admin_handlers(),
+        }
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await self.store.open()
+        if self._file_pins is not None:  # before the socket exists: clients see the pins
+            await self._import_pins(self._file_pins)
+        path = self.cfg.socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        srv = await asyncio.start_unix_server(self._serve_local, path=path)
+        os.chmod(path, 0o660)
+        self._servers.append(srv)
+        if self.cfg.agent.peer_port is not None:
+            psrv = await asyncio.start_server(
+                self._serve_peer,
+                self.cfg.agent.peer_host,
+                self.cfg.agent.peer_port,
+                limit=PEER_STREAM_LIMIT,
+            )
+            self._servers.append(psrv)
+            # Publish where other nodes reach us, never the bind address (0.0.0.0 would
+            # send every peer to itself).
+            self.peer_address = (self._advertise, int(psrv.sockets[0].getsockname()[1]))
+        if self.cfg.agent.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.cfg.agent.metrics_port, registry=self.metrics.registry)
+        await self._heartbeat()
+        await self._sync_pins()
+        await self.store.republish()
+        for fn, every in (
+            (self._heartbeat, max(1.0, self.cfg.heartbeat_ttl_s / 3)),
+            (self._sync_pins, self.cfg.agent.pin_sync_interval_s),
+            (self._retry_pin_import, self.cfg.agent.pin_sync_interval_s),
+            (self._log_usage, self.cfg.agent.usage_log_interval_s),
+            (self.store.republish, self.cfg.location_ttl_s / 2),
+            (self._push_counters, 5.0),
+        ):
+            self._tasks.append(asyncio.ensure_future(self._every(fn, every)))
+        log.info(
+            "agent %s up: socket %s, peer %s, tiers %s",
+            self.cfg.node_id,
+            path,
+            self.peer_address,
+            [s.name for s in self.store.slots],
+        )
+
+    async def _every(self, fn: Callable[[], Any], interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:
+                log.exception("periodic task %s failed", getattr(fn, "__name__", fn))
+
+    async def stop(self) -> None:
+        for srv in self._servers:
+            srv.close()
+        # Connected clients' handlers too: left pending, they would run on a closed loop.
+        pending = [*self._tasks, *self._local_tasks]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await self.write_back_dirty()
+        await self.store.flush()
+        await self._push_counters()
+        for conns in self._peer_idle.values():
+            for _, w in conns:
+                w.close()
+        await self.store.close()
+        await self.directory.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.cfg.socket_path)
+        self._stopped.set()
+
+    async def write_back_dirty(self) -> int:
+        """Copy DRAM chunks that only live in DRAM down to the next write-back tier."""
+        if len(self.store.slots) < 2:
+            return 0
+        top, below = self.store.slots[0], self.store.slots[1]
+        keys = [k for k, _ in top.tier.entries()]
+        if not keys:
+            return 0
+        present = await below.tier.contains_many(keys)
+        n = 0
+        for k, there in zip(keys, present, strict=True):
+            if there:
+                continue
+            raw = await top.tier.get(k)
+            if raw is not None and await self.store._write_tier(below, k, raw, demotion=True):
+                n += 1
+        if n:
+            log.info("wrote back %d DRAM chunks to %s", n, below.name)
+        return n
+
+    async def run_forever(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+        if self.cfg.agent.pin_file is not None:  # without one, SIGHUP keeps its default
+            with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
+                loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        await self._stopped.wait()
+
+    def _on_sighup(self) -> None:
+        if self._reload_task is None or self._reload_task.done():
+            self._reload_task = asyncio.ensure_future(self.reload_pin_file())
