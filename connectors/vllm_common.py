@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 from connectors.vllm_kvio import dtype_name
 from connectors.vllm_metrics import StatsRecorder
 from tiered_cache import keys as tc_keys
-from tiered_cache.api import ChunkStore
+from tiered_cache.api import SlotStore
 from tiered_cache.breaker import Breaker
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ class ConnectorBase:
         self._tp_world = self._fp.tp_world_size
         self._tp_rank = tp_rank
         self._logged: set[str] = set()
-        self._store: ChunkStore | None = None
+        self._store: SlotStore | None = None
         self._store_lock = threading.Lock()
         self._stats = StatsRecorder()
         # An agent that is down costs a request nothing: calls are skipped (a miss, a
@@ -239,7 +239,7 @@ class ConnectorBase:
             self._fp.hex,
         )
 
-    def _open_store(self) -> ChunkStore:
+    def _open_store(self) -> SlotStore:
         with self._store_lock:
             if self._store is None:
                 from tiered_cache.client import open_store
@@ -265,10 +265,7 @@ class ConnectorBase:
 
     def _probe_agent(self) -> None:
         try:
-            st = self._open_store()
-            ping = getattr(st, "ping", None)
-            if callable(ping):
-                ping()
+            self._open_store().ping()
         except OSError as e:
             self._guard.failed(e)
             return
@@ -276,7 +273,7 @@ class ConnectorBase:
             logger.debug("tiered cache probe: %r", e)
         self._guard.ok()
 
-    def _guarded(self, op: str, fn: Callable[[ChunkStore], T], default: T) -> T:
+    def _guarded(self, op: str, fn: Callable[[SlotStore], T], default: T) -> T:
         """``fn(store)``, or ``default`` at once while the agent is down. An unreachable
         or unresponsive agent opens the breaker (one log line per outage); an error the
         agent answered with is counted and logged once by kind."""
@@ -295,18 +292,15 @@ class ConnectorBase:
         self._guard.ok()
         return out
 
-    def _register_fingerprint(self, store: ChunkStore) -> None:
+    def _register_fingerprint(self, store: SlotStore) -> None:
         """Tell the node agent (and through it the directory) which fingerprint this
         process writes under: `pin add --model` cannot guess the KV layout or block size."""
-        register = getattr(store, "register_model", None)
-        if not callable(register):
-            return
         mc = self._vllm_config.model_config
         served = getattr(mc, "served_model_name", None)
         names = [served] if isinstance(served, str) else list(served or [])
         aliases = sorted({str(mc.model), *map(str, names)} - {self._fp.model_id})
         try:
-            register(
+            store.register_model(
                 {
                     **dataclasses.asdict(self._fp),
                     "aliases": aliases,

@@ -27,7 +27,7 @@ from connectors.vllm_metadata import (
 )
 from connectors.vllm_plan import RecomputeRate, choose_prefix, wait_budget_s
 from tiered_cache import keys as tc_keys
-from tiered_cache.api import ChunkStore
+from tiered_cache.api import SlotStore
 
 try:  # 0.32+: per-tier hit accounting
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -146,12 +146,8 @@ class SchedulerSide(ConnectorBase):
         return self._guarded("lookup", lambda st: list(st.lookup(keys)), [])
 
     def _lookup_priced(self, keys: Sequence[str]) -> tuple[list[str], list[float]]:
-        def priced(st: ChunkStore) -> tuple[list[str], list[float]]:
-            fn = getattr(st, "lookup_priced", None)  # an AgentClient; any store: unpriced
-            if fn is None:
-                found = list(st.lookup(keys))
-                return found, [0.0] * len(found)
-            found, costs = fn(keys, self._chunk_bytes)
+        def priced(st: SlotStore) -> tuple[list[str], list[float]]:
+            found, costs = st.lookup_priced(keys, self._chunk_bytes)
             return list(found), list(costs)
 
         none: tuple[list[str], list[float]] = ([], [])
@@ -160,7 +156,7 @@ class SchedulerSide(ConnectorBase):
     def _in_dram(self, keys: Sequence[str]) -> list[bool]:
         """DRAM presence through the shared index (no round trip); the agent otherwise."""
         st = self._store
-        direct = st.in_dram(keys) if st is not None and hasattr(st, "in_dram") else None
+        direct = st.in_dram(keys) if st is not None else None
         if direct is not None:
             return list(direct)
         found = self._lookup(keys)
@@ -258,7 +254,7 @@ class SchedulerSide(ConnectorBase):
                         sum(costs[i] for i in remote),
                     )
                 w.requested.update(remote)
-                self._guarded("prefetch", lambda st: st.prefetch(ask, self._fp.digest), 0)  # type: ignore[attr-defined]
+                self._guarded("prefetch", lambda st: st.prefetch(ask, self._fp.digest), 0)
             here = self._in_dram([keys[i] for i in remote])
             for i, arrived in zip(remote, here, strict=True):
                 if arrived:
@@ -308,9 +304,8 @@ class SchedulerSide(ConnectorBase):
         cands = tc_keys.partial_keys(prompt, self._fp, salt, parent, span.start, lengths)
         nbytes = self._chunk_bytes * lengths[0] // self._chunk_size
 
-        def probe(st: ChunkStore) -> list[tuple[str, float] | None]:
-            fn = getattr(st, "present", None)
-            return list(fn(cands, nbytes)) if fn is not None else []
+        def probe(st: SlotStore) -> list[tuple[str, float] | None]:
+            return st.present(cands, nbytes)
 
         none: list[tuple[str, float] | None] = []
         for n_tok, key, found in zip(lengths, cands, self._guarded("lookup", probe, none),
@@ -322,7 +317,7 @@ class SchedulerSide(ConnectorBase):
     def _prefetch_remote(self) -> bool:
         """Remote chunks go through this node's DRAM (see ``async_load``)."""
         st = self._store
-        return self._async_mode == "auto" and "dram" in (getattr(st, "tiers", None) or ())
+        return self._async_mode == "auto" and st is not None and "dram" in st.tiers
 
     def _count_once(self, rid: str, reason: str) -> None:
         tag = f"fallback:{reason}:{rid}"
@@ -556,7 +551,7 @@ class SchedulerSide(ConnectorBase):
                 # For a cache-aware router: the fingerprint the chunk keys chain from, and
                 # the node whose cache holds them.
                 "tc_fingerprint": dataclasses.asdict(self._fp),
-                "tc_node_id": getattr(self._store, "node_id", None),
+                "tc_node_id": self._store.node_id if self._store is not None else None,
             }
         return False, params
 

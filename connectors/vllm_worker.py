@@ -5,7 +5,6 @@ times each forward pass for the scheduler's recompute-cost estimate."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,8 +34,7 @@ from connectors.vllm_metadata import (
 )
 from connectors.vllm_metrics import farthest
 from tiered_cache import keys as tc_keys
-from tiered_cache.api import ChunkStore
-from tiered_cache.client import SlotReservation
+from tiered_cache.api import SlotReservation, SlotStore
 from tiered_cache.codec import ChunkMeta
 
 if TYPE_CHECKING:
@@ -417,7 +415,7 @@ class WorkerSide(ConnectorBase):
                     return
                 except Exception as e:  # the staged path below still saves the chunks
                     with contextlib.suppress(Exception):
-                        self._open_store().abort_reservation(st.res)  # type: ignore[attr-defined]
+                        self._open_store().abort_reservation(st.res)
                     self._stats.inc("store_errors", "save")
                     self._log_once(
                         f"zerocopy:{type(e).__name__}",
@@ -459,11 +457,10 @@ class WorkerSide(ConnectorBase):
                 seen.add(key)
                 todo.append((s, key, parent))
         st = _StepSave(todo, None, [], [], t0=time.perf_counter())
-        reserve = getattr(store, "reserve_payloads", None)
-        if reserve is None or not todo:
+        if not todo:
             return st
         sizes = [kv.payload_nbytes(len(s.block_ids)) for s, _, _ in todo]
-        res = reserve(sizes)
+        res = store.reserve_payloads(sizes)
         if res is None:
             return st  # no room for all of them in DRAM: the staged path copes
         st.res = res
@@ -497,7 +494,7 @@ class WorkerSide(ConnectorBase):
 
         def commit() -> None:
             try:
-                store.commit_payloads(res, metas, parents)  # type: ignore[attr-defined]
+                store.commit_payloads(res, metas, parents)
             except OSError as e:  # the agent went away: later steps skip saving
                 self._stats.inc("store_errors", "save")
                 self._guard.failed(e)
@@ -539,7 +536,7 @@ class WorkerSide(ConnectorBase):
         logger.debug("saved %d chunks (%.1f MiB) in %.1f ms", n, nbytes / 2**20, dt * 1000)
 
     def _save_staged(self, st: _StepSave) -> None:
-        """Gather into host staging, then ``put_many`` (any ChunkStore), synchronously."""
+        """Gather into host staging, then ``put_many`` (any SlotStore), synchronously."""
         kv, staging = self._kv, self._save_staging
         if kv is None or staging is None:
             raise RuntimeError("KV caches were not registered")
@@ -560,24 +557,9 @@ class WorkerSide(ConnectorBase):
                 off += n
             kv.synchronize()
             # put_many returns once the bytes are copied out of staging.
-            if self._put_takes_parents(store):
-                store.put_many(items, parents=[t[2] for t in batch])  # type: ignore[call-arg]
-            else:
-                store.put_many(items)
+            store.put_many(items, parents=[t[2] for t in batch])
             nbytes_total += off
         self._saved(len(st.todo), nbytes_total, time.perf_counter() - st.t0)
-
-    _parents_ok: bool | None = None
-
-    def _put_takes_parents(self, store: ChunkStore) -> bool:
-        """Whether the store's put_many accepts ``parents`` (an AgentClient extension)."""
-        if self._parents_ok is None:
-            try:
-                params = inspect.signature(store.put_many).parameters
-                self._parents_ok = "parents" in params
-            except (TypeError, ValueError):
-                self._parents_ok = False
-        return self._parents_ok
 
     def shutdown(self) -> None:
         self.drain_saves(timeout=60)
@@ -611,33 +593,15 @@ def _tier_counts(tiers: Sequence[str]) -> str:
 
 
 def _fetch(
-    store: ChunkStore,
+    store: SlotStore,
     keys: Sequence[str],
     fingerprint: bytes,
     sink: Callable[[int, ChunkMeta, memoryview], None],
 ) -> tuple[list[bool], list[str], dict[int, str]]:
     """Hand each verified chunk to ``sink``. Returns which keys were delivered, the source
-    that served each ("" when the store does not say) and why returned chunks were refused.
-
-    Uses the store's zero-copy ``load_report``/``load_many`` when it has one, else
-    ``get_many``.
-    """
-    load_report = getattr(store, "load_report", None)
-    if callable(load_report):
-        rep = load_report(keys, fingerprint, sink)
-        return list(rep.ok), list(rep.sources), dict(rep.failures)
-    none = [""] * len(keys)
-    load_many = getattr(store, "load_many", None)
-    if callable(load_many):
-        return list(load_many(keys, fingerprint, sink)), none, {}
-    got = store.get_many(keys, fingerprint)
-    ok = [False] * len(keys)
-    for i, item in enumerate(got):
-        if item is None:
-            break  # vLLM recomputes from the first failed block on: skip the rest
-        sink(i, item[0], item[1])
-        ok[i] = True
-    return ok, none, {}
+    that served each ("" when the store does not say) and why returned chunks were refused."""
+    rep = store.load_report(keys, fingerprint, sink)
+    return list(rep.ok), list(rep.sources), dict(rep.failures)
 
 
 def _batches(items: Iterable[Any], size: Callable[[Any], int], limit: int) -> Iterable[list[Any]]:

@@ -431,8 +431,9 @@ def test_consumer_never_waits_for_chunks_nobody_is_saving(
     assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     # Two of three chunks present, the prefill saved those two: load them, no waiting.
     p = prefill(vllm_mod, store)
-    tail = p.sched.scheduler._req_keys(PROMPT, None)[2]
-    del store._data[tail]
+    first_two = p.sched.scheduler._req_keys(PROMPT, None)[:2]
+    for key in [k for k in store._data if k not in first_two]:  # the tail and its copy
+        del store._data[key]
     req2 = FakeRequest("d2", PROMPT, kv_transfer_params=params or hint(
         p.sched.scheduler._req_keys(PROMPT, None)[:2]))  # fmt: skip
     d.sched.on_new_request(req2)
@@ -938,7 +939,7 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
         "node_id": f"dead-{uuid.uuid4().hex[:6]}", "dram": {"capacity": "8MiB"},
         "agent": {"socket": str(tmp_path / "agent.sock")},
     }))  # fmt: skip
-    agent = spawn_agent(cfg, timeout=30, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    agent = spawn_agent(cfg, timeout=60, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     extra = {"config_file": str(cfg), "embedded": "never", "load_wait_timeout_s": 30}
     nodes: list[Node] = []
     try:
@@ -979,7 +980,7 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
         assert c["recompute_fallbacks"] == {"unavailable": 21}
         assert counters(p.worker.get_kv_connector_stats())["saves_skipped"] == {"": 4}
         # The agent comes back: after the backoff the next request finds it again.
-        agent = spawn_agent(cfg, timeout=30, stdout=subprocess.DEVNULL,
+        agent = spawn_agent(cfg, timeout=60, stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)  # fmt: skip
         clock.t += 60
         caplog.clear()

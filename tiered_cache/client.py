@@ -18,13 +18,12 @@ import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
 from tiered_cache import codec
-from tiered_cache.api import PayloadLike
+from tiered_cache.api import LoadReport, PayloadLike, Sink, SlotReservation
 from tiered_cache.codec import ChunkMeta
 from tiered_cache.config import CacheConfig, load_config
 from tiered_cache.ipc import ConnectionLost, IPCError, call_sync, send_only
@@ -57,34 +56,8 @@ _TOUCH_AGE_S = 0.25  # ... or this long after the first unreported one
 _TOUCH_SEND_S = 1.0  # a touch the agent does not take in this long breaks the connection
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
-# Called with (index in request, meta, payload view) while the slot is leased: copy out now.
-Sink = Callable[[int, ChunkMeta, memoryview], None]
-
-
-@dataclass
-class LoadReport:
-    """Outcome of ``AgentClient.load_report``, per requested key."""
-
-    ok: list[bool]
-    sources: list[str]  # the source that served each chunk ("dram", "nvme", "peer", "s3")
-    # Why a chunk the agent returned was refused here: "mismatch" (key or fingerprint) or
-    # "verification" (damaged). Chunks the agent did not return are simply missing.
-    failures: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass
-class SlotReservation:
-    """DRAM slots reserved by ``AgentClient.reserve_payloads``; ``views[i]`` is the payload
-    region of slot i (after its header)."""
-
-    slots: list[int | None]
-    views: list[memoryview]
-    sizes: list[int]
-    gen: int
-
-
 class AgentClient:
-    """ChunkStore backed by a node agent. Thread-safe (one request at a time)."""
+    """``SlotStore`` backed by a node agent. Thread-safe (one request at a time)."""
 
     def __init__(
         self,
