@@ -200,7 +200,8 @@ async def test_flipped_byte_is_detected_by_codec(
 
 
 async def test_budget_and_rebuild_from_listing(make_tier: MakeTier) -> None:
-    t = await make_tier(prefix="node1", capacity_bytes=3000).open()
+    t = make_tier(prefix="node1", capacity_bytes=3000)
+    await t.open()
     for i in range(3):
         await t.put(key(i), b"z" * 1000)
     with pytest.raises(TierFull):
@@ -218,8 +219,12 @@ async def test_budget_and_rebuild_from_listing(make_tier: MakeTier) -> None:
     assert (u.used_bytes, u.num_chunks) == (2500, 3)
     assert dict(fresh.entries()) == {key(1): 1000, key(2): 1000, key(3): 500}
     # Other prefixes do not count; unbounded tiers never list.
-    assert (await make_tier(prefix="node2", capacity_bytes=10).open()).usage().used_bytes == 0
-    assert (await make_tier(prefix="node1").open()).usage().num_chunks == 0
+    other = make_tier(prefix="node2", capacity_bytes=10)
+    await other.open()
+    assert other.usage().used_bytes == 0
+    unbounded = make_tier(prefix="node1")
+    await unbounded.open()
+    assert unbounded.usage().num_chunks == 0
 
 
 # -- faults ------------------------------------------------------------------------------

@@ -27,8 +27,7 @@ from tiered_cache.codec import ChunkMeta
 from tiered_cache.directory import Directory, Pin
 from tiered_cache.estimates import SourceEstimator, kind_of
 from tiered_cache.metrics import Metrics
-from tiered_cache.tiers.base import Tier, TierError, TierFull
-from tiered_cache.tiers.dram import DRAMTier
+from tiered_cache.tiers.base import SlotTier, Tier, TierError, TierFull
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +109,9 @@ class TieredStore:
         self.estimates = SourceEstimator()
         self._typical_bytes = 0  # size of recent chunks, for ranking sources of unknown size
         self._locks = {s.name: asyncio.Lock() for s in self.slots}
+        # The slot protocol (reserve/commit, leases) needs the top tier to be a pool.
+        top = self.slots[0].tier
+        self._pool: SlotTier | None = top if isinstance(top, SlotTier) else None
         self._bg: set[asyncio.Task[None]] = set()
         self._bg_sem = asyncio.Semaphore(max_background)
         self._fetch_sem = asyncio.Semaphore(8)  # prefetches (as many as a get loads at once)
@@ -132,9 +134,7 @@ class TieredStore:
     async def open(self) -> None:
         """Finish async tier set-up (e.g. S3 budget listing), then adopt their contents."""
         for s in self.slots:
-            opener = getattr(s.tier, "open", None)
-            if opener is not None and asyncio.iscoroutinefunction(opener):
-                await opener()
+            await s.tier.open()
         self._adopt()
 
     # ---------------------------------------------------------------- helpers
@@ -174,13 +174,12 @@ class TieredStore:
     async def _make_room(self, slot: TierSlot, nbytes: int) -> None:
         """Evict from ``slot`` until ``nbytes`` fit. Caller holds the tier's lock."""
         tier = slot.tier
-        leased = getattr(tier, "is_leased", None)
         skipped = 0
         while not tier.has_room(nbytes):
             victim = slot.eviction.victim()
             if victim is None:
                 raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
-            if leased is not None and leased(victim):
+            if tier.is_leased(victim):
                 # Evicting a chunk a reader holds frees nothing until it is released:
                 # pass over it (it counts as used) and try the next one.
                 skipped += 1
@@ -416,7 +415,7 @@ class TieredStore:
         """Start copying ``keys`` that live below DRAM or on other nodes into DRAM, in the
         background (deduplicated, bounded like other background work), so a reader can
         then load them from local memory. Returns how many copies were started."""
-        if not isinstance(self.slots[0].tier, DRAMTier):
+        if self._pool is None:
             return 0
         top = self.slots[0]
         started = 0
@@ -650,17 +649,15 @@ class TieredStore:
     # Used by the node agent so local clients copy chunk bytes straight into and out of
     # the DRAM pool; the agent only moves slot numbers.
 
-    def _dram(self) -> TierSlot:
-        top = self.slots[0]
-        if not isinstance(top.tier, DRAMTier):
+    def _dram(self) -> tuple[TierSlot, SlotTier]:
+        """The top tier when it is a slot pool (clients fill and read it themselves)."""
+        if self._pool is None:
             raise TierError("no DRAM tier: shared-memory transfers are unavailable")
-        return top
+        return self.slots[0], self._pool
 
     async def reserve_dram(self, nbytes: int) -> int | None:
         """A free DRAM slot for a client to fill, evicting if needed; None when refused."""
-        top = self._dram()
-        tier = top.tier
-        assert isinstance(tier, DRAMTier)
+        top, tier = self._dram()
         if not tier.fits(nbytes):
             return None
         async with self._locks[top.name]:
@@ -672,8 +669,7 @@ class TieredStore:
                 return None
 
     def abort_dram(self, slot: int) -> None:
-        tier = self._dram().tier
-        assert isinstance(tier, DRAMTier)
+        tier = self._dram()[1]
         tier.abort(slot)
 
     async def commit_dram(
@@ -686,9 +682,7 @@ class TieredStore:
         wait: bool = False,
     ) -> None:
         """Publish a client-filled slot, then copy it down per the lower tiers' write modes."""
-        top = self._dram()
-        tier = top.tier
-        assert isinstance(tier, DRAMTier)
+        top, tier = self._dram()
         if info is not None:
             self._info[key] = info
         if tier.size_of(key) is not None:  # content-addressed: already here, keep it
@@ -726,9 +720,7 @@ class TieredStore:
         """Lease ``key`` in DRAM as (slot, length), promoting it from a lower tier or a peer
         first. Returns the Hit itself when it cannot be placed in DRAM, None on a miss.
         On a hit, appends the source that served it (tier name or "peer") to ``served``."""
-        top = self._dram()
-        tier = top.tier
-        assert isinstance(tier, DRAMTier)
+        top, tier = self._dram()
         got = tier.acquire(key)
         if got is not None:
             tokens = 0
@@ -765,29 +757,26 @@ class TieredStore:
     def note_dram_hits(self, hits: Sequence[Sequence[Any]]) -> None:
         """Account for ``(key, bytes, tokens)`` a client read straight from the pool through
         the shared index (no lease): recency for eviction, and the hit metrics."""
-        top = self._dram()  # only a DRAM tier has a shared index to read through
-        tier = top.tier
-        assert isinstance(tier, DRAMTier)
+        top, tier = self._dram()  # only a slot pool has a shared index to read through
         for key, nbytes, tokens in hits:
             if tier.size_of(key) is not None:  # evicted since: nothing to refresh
                 self._count_dram_hit(top, key, int(nbytes), int(tokens))
 
     async def _lease_from_nvme(
-        self, top: TierSlot, dram: DRAMTier, key: str, expect_fp: bytes | None
+        self, top: TierSlot, dram: SlotTier, key: str, expect_fp: bytes | None
     ) -> tuple[int, int] | None:
         """Promote an NVMe chunk by reading the file straight into a DRAM slot and
         verifying it there: one copy instead of read + encode + copy."""
         slot = self.by_name.get("nvme")
-        get_into = getattr(slot.tier, "get_into", None) if slot is not None else None
         size = slot.tier.size_of(key) if slot is not None else None
-        if slot is None or get_into is None or size is None or not dram.fits(size):
+        if slot is None or size is None or not dram.fits(size):
             return None
         t0 = time.perf_counter()
         s = await self.reserve_dram(size)
         if s is None:
             return None
         try:
-            n = await get_into(key, dram.slot_view(s)[:size])
+            n = await slot.tier.get_into(key, dram.slot_view(s)[:size])
             if n is None:
                 raise TierError("vanished")
             codec.decode(dram.slot_view(s)[:n], expect_key=key, expect_fingerprint=expect_fp)
@@ -823,8 +812,7 @@ class TieredStore:
         return dram.acquire(key)
 
     def release(self, slot: int) -> None:
-        tier = self._dram().tier
-        assert isinstance(tier, DRAMTier)
+        tier = self._dram()[1]
         tier.release(slot)
 
     # ---------------------------------------------------------------- pins

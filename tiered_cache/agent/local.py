@@ -35,7 +35,7 @@ from tiered_cache.protocol import (
     Touch,
     decode,
 )
-from tiered_cache.tiers.dram import DRAMTier
+from tiered_cache.tiers.base import SlotTier
 
 log = logging.getLogger("tiered_cache.agent")
 
@@ -128,7 +128,7 @@ class LocalServer(AgentState):
 
     async def _hello(self, conn: _Conn, req: Hello) -> dict[str, Any]:
         dram = self.store.slots[0].tier
-        pool = dram if isinstance(dram, DRAMTier) else None
+        pool = dram if isinstance(dram, SlotTier) else None
         return {
             "node_id": self.cfg.node_id,
             "shm_name": pool.shm_name if pool else None,
@@ -211,7 +211,7 @@ class LocalServer(AgentState):
         # nothing to evict for a pin.
         dram = store.slots[0].tier
         stash: list[list[int]] = []
-        if isinstance(dram, DRAMTier) and req.items:
+        if isinstance(dram, SlotTier) and req.items:
             size = max(int(it[2]) for it in req.items)
             pages = -(-size // dram.slot_bytes)
             give = min(req.refill, 8, dram.num_slots // (16 * pages))

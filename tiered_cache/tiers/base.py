@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class TierError(Exception):
@@ -80,5 +81,67 @@ class Tier(abc.ABC):
         u = self.usage()
         return u.capacity_bytes is None or u.used_bytes + nbytes <= u.capacity_bytes
 
+    def is_leased(self, key: str) -> bool:
+        """Whether a reader holds ``key`` now (evicting it would free nothing yet)."""
+        return False
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Finish set-up that needs the event loop (e.g. S3's budget listing)."""
+
+    async def get_into(self, key: str, out: memoryview) -> int | None:
+        """Read ``key``'s stored bytes into ``out``; their length, or None when absent.
+        Tiers that can read straight into the buffer (NVMe) override this."""
+        raw = await self.get(key)
+        if raw is None:
+            return None
+        out[: len(raw)] = raw
+        return len(raw)
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
+
+
+class SlotTier(Tier):
+    """A tier in shared memory that clients fill and read themselves (the DRAM pool).
+
+    The slot protocol: ``reserve(nbytes)`` gives a writer a run of slots (named by its
+    first), ``commit(key, slot, length)`` publishes it, ``abort(slot)`` returns it.
+    Readers in the owner ``acquire`` a lease and ``release`` it; a run dropped while
+    leased is freed on its last release. Clients find published runs without the owner
+    through ``shared_index`` (a seqlock generation per slot, ``shm_index``).
+    """
+
+    slot_bytes: int  # the allocation unit; a run is ceil(size / slot_bytes) slots
+    num_slots: int
+    pool_bytes: int
+    shared_index: Any  # ``tiered_cache.tiers.shm_index.SlotIndex``
+
+    @property
+    @abc.abstractmethod
+    def shm_name(self) -> str:
+        """The pool's shared-memory segment, for clients to attach."""
+
+    @property
+    @abc.abstractmethod
+    def free_slots(self) -> int: ...
+
+    @abc.abstractmethod
+    def reserve(self, nbytes: int = 1) -> int:
+        """A free run for ``nbytes``; ``TierFull`` when none is long enough."""
+
+    @abc.abstractmethod
+    def abort(self, slot: int) -> None: ...
+
+    @abc.abstractmethod
+    def commit(self, key: str, slot: int, length: int) -> None: ...
+
+    @abc.abstractmethod
+    def acquire(self, key: str) -> tuple[int, int] | None:
+        """Lease the run holding ``key``: (slot, length)."""
+
+    @abc.abstractmethod
+    def release(self, slot: int) -> None: ...
+
+    @abc.abstractmethod
+    def slot_view(self, slot: int) -> memoryview:
+        """The bytes of the run that starts at ``slot``."""

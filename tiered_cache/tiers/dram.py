@@ -32,7 +32,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 from tiered_cache import codec
 from tiered_cache.keys import is_valid_key
-from tiered_cache.tiers.base import Tier, TierFull, TierUsage
+from tiered_cache.tiers.base import SlotTier, TierFull, TierUsage
 from tiered_cache.tiers.shm_index import SlotIndex
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class _Extents:
         return self._sizes[-1][0] if self._sizes else 0
 
 
-class DRAMTier(Tier):
+class DRAMTier(SlotTier):
     name = "dram"
 
     def __init__(

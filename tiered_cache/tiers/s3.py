@@ -383,17 +383,16 @@ class S3Tier(Tier):
 
     # -- Tier API ------------------------------------------------------------------------
 
-    async def open(self) -> S3Tier:
+    async def open(self) -> None:
         """With a budget, rebuild usage from a listing of the prefix (once)."""
         if self.capacity_bytes is None or self._opened:
-            return self
+            return
         if self._open_lock is None:
             self._open_lock = asyncio.Lock()
         async with self._open_lock:
             if not self._opened:
                 await self.rebuild_index()
                 self._opened = True
-        return self
 
     async def rebuild_index(self) -> None:
         """Merge a listing of the prefix into the local index (keeps writes made meanwhile)."""
