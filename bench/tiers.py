@@ -127,9 +127,9 @@ def bench_dram(size: int, iters: int, tmp: Path) -> dict[str, Any]:
                 batches,
             )
             bget = _interleaved({"ref": ref_get_batch, "ours": get_batch}, batches)
-            client.verify_payload = False  # header still checked; payload trusted in DRAM
+            client.verify_dram_reads = False  # header still checked; payload trusted in DRAM
             got_nv = _interleaved({"ref": lambda i: np.copyto(dst, ref[i]), "ours": get}, iters)
-            client.verify_payload = True
+            client.verify_dram_reads = True
             assert bytes(dst[:64]) == bytes(payload[:64])
         finally:
             client.close()

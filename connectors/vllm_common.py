@@ -46,7 +46,6 @@ class _Identity:
 
 
 # Sources a load reads in milliseconds: loaded inside the forward pass under "auto".
-_LOCAL_SOURCES = frozenset({"dram", "nvme"})
 
 
 def _as_bool(v: Any) -> bool:

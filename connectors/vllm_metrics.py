@@ -25,17 +25,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from tiered_cache.api import SOURCES
 from tiered_cache.metrics import CONNECTOR_METRICS, CONNECTOR_PREFIX, LATENCY_BUCKETS
 
 PREFIX = CONNECTOR_PREFIX
 METRICS = CONNECTOR_METRICS
 
 # Nearest first: a request's load latency is attributed to the farthest tier it touched.
-TIER_ORDER = ("dram", "nvme", "peer", "s3")
 
 
 def farthest(tiers: set[str]) -> str:
-    known = [t for t in TIER_ORDER if t in tiers]
+    known = [t for t in SOURCES if t in tiers]
     return known[-1] if known else (sorted(tiers)[-1] if tiers else "none")
 
 

@@ -27,7 +27,7 @@ from connectors.vllm_metadata import (
 )
 from connectors.vllm_plan import RecomputeRate, choose_prefix, wait_budget_s
 from tiered_cache import keys as tc_keys
-from tiered_cache.api import SlotStore
+from tiered_cache.api import NODE_TIERS, SlotStore
 
 try:  # 0.32+: per-tier hit accounting
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _SOURCE_TO_HIT = {"dram": "HOST", "nvme": "DISK", "peer": "P2P", "s3": "EXTERNAL_UNSPECIFIED"}
-# Sources a load reads in milliseconds: loaded inside the forward pass under "auto".
-_LOCAL_SOURCES = frozenset({"dram", "nvme"})
 
 
 @dataclass
@@ -192,7 +190,7 @@ class SchedulerSide(ConnectorBase):
             w.sources, w.costs = self._lookup_priced(w.keys)
             w.looked_at = now
             for i, src in enumerate(w.sources):  # a staged chunk counts where it came from
-                if src not in _LOCAL_SOURCES:
+                if src not in NODE_TIERS:
                     w.origin.setdefault(i, src)
             if self._guard.down:  # it just went down
                 self._count_once(rid, "unavailable")
@@ -242,7 +240,7 @@ class SchedulerSide(ConnectorBase):
         #    agent while the request waits in the queue, so no network I/O happens inside
         #    the forward pass. A chunk that lands on this node's NVMe instead (evicted by
         #    a busy DRAM) counts as arrived: local reads cost milliseconds.
-        remote = [i for i in range(first, k) if sources[i] not in _LOCAL_SOURCES]
+        remote = [i for i in range(first, k) if sources[i] not in NODE_TIERS]
         if remote and self._prefetch_remote():
             ask = [keys[i] for i in remote if i not in w.requested]
             if ask:
@@ -259,7 +257,7 @@ class SchedulerSide(ConnectorBase):
             for i, arrived in zip(remote, here, strict=True):
                 if arrived:
                     sources[i] = "dram"
-            late = [i for i in remote if sources[i] not in _LOCAL_SOURCES]
+            late = [i for i in remote if sources[i] not in NODE_TIERS]
             if late:
                 assert w.fetch_t0 is not None
                 if now - w.fetch_t0 < w.fetch_budget:
@@ -280,7 +278,7 @@ class SchedulerSide(ConnectorBase):
             return 0, False
         loaded = sources[first:k]
         is_async = self._async_mode == "true" or (
-            self._async_mode == "auto" and any(src not in _LOCAL_SOURCES for src in loaded)
+            self._async_mode == "auto" and any(src not in NODE_TIERS for src in loaded)
         )
         origins = [w.origin.get(i, sources[i]) for i in range(k)]
         partial = None

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiered_cache import codec
-from tiered_cache.keys import ModelFingerprint, chunk_keys, chunk_spans, is_valid_key
+from tiered_cache.keys import ModelFingerprint, chunk_keys, is_valid_key, partial_keys
 
 FP = ModelFingerprint("tiny-llama", dtype="float32", block_size=16, chunk_size=32)
 
@@ -45,7 +45,8 @@ def test_partial_tail() -> None:
     assert len(chunk_keys(toks, FP)) == 2
     keys = chunk_keys(toks, FP, include_partial=True)
     assert len(keys) == 3
-    assert chunk_spans(70, 32, include_partial=True) == [(0, 32), (32, 64), (64, 70)]
+    # The tail's key chains from the last full chunk and covers the 6 tokens after it.
+    assert partial_keys(toks, FP, None, keys[1], 64, [6]) == [keys[2]]
 
 
 def test_fingerprint_validation() -> None:

@@ -212,7 +212,7 @@ def test_readers_racing_writers_never_get_torn_or_foreign_bytes(
     keys = chunk_keys(np.arange(32 * 4), FP)
     versions = {k: [bytes([j]) * N for j in range(4 * i, 4 * i + 4)] for i, k in enumerate(keys)}
     writer = AgentClient(sock)
-    readers = [AgentClient(sock, verify_payload=False) for _ in range(2)]
+    readers = [AgentClient(sock, verify_dram_reads=False) for _ in range(2)]
     writer.put_many([(meta(k), versions[k][0]) for k in keys])
     stop = threading.Event()
     bad: list[str] = []

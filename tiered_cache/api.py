@@ -19,8 +19,12 @@ from typing import Any, Protocol
 
 from tiered_cache.codec import ChunkMeta
 
-# Where a chunk was found, nearest first. "peer" is another node's agent.
+# The names every module uses (configs, metrics labels, the directory, the connector).
+TIERS = ("dram", "nvme", "s3")  # a node's tiers, nearest first
+# Where a chunk can be loaded from, nearest first. "peer" is another node's agent.
 SOURCES = ("dram", "nvme", "peer", "s3")
+NODE_TIERS = frozenset({"dram", "nvme"})  # a node's own tiers: peers read them over TCP
+SHARED_TIERS = frozenset({"s3"})  # shared by every node: lives on after its writer
 
 PayloadLike = bytes | bytearray | memoryview
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from tiered_cache.api import TIERS
 from tiered_cache.config import CacheConfig, ConfigError, load_config, parse_duration
 from tiered_cache.keys import ModelFingerprint
 
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from tiered_cache.directory import ModelRegistration
 
 F = TypeVar("F", bound=Callable[..., Any])
-TIERS = ("dram", "nvme", "s3")
 
 
 class CliError(click.ClickException):

@@ -63,13 +63,13 @@ class AgentClient:
         self,
         socket_path: str,
         *,
-        verify_payload: bool = True,
+        verify_dram_reads: bool = True,
         timeout: float = 60.0,
         attach_pool: bool = True,
     ):
         self.socket_path = socket_path
         self.attach_pool = attach_pool  # False for control-only clients (CLI, router)
-        self.verify_payload = verify_payload
+        self.verify_dram_reads = verify_dram_reads
         self.timeout = timeout
         self._lock = threading.Lock()
         self._shm: Any = None
@@ -383,7 +383,7 @@ class AgentClient:
             return "failed", 0
         # Hash on a second core while the sink copies: a mismatch reports the chunk as
         # failed, and the connector then has vLLM recompute what the sink wrote.
-        fut = _HASH_POOL.submit(codec.checksum, payload) if self.verify_payload else None
+        fut = _HASH_POOL.submit(codec.checksum, payload) if self.verify_dram_reads else None
         sink(i, meta, payload)
         bad = fut is not None and fut.result() != want
         if still_valid is not None and not still_valid():
@@ -586,7 +586,7 @@ def connect(
     cfg: CacheConfig,
     *,
     embedded: str = "auto",
-    verify_payload: bool = True,
+    verify_dram_reads: bool = True,
     attach_pool: bool = True,
     timeout: float = 60.0,
 ) -> AgentClient:
@@ -594,7 +594,7 @@ def connect(
     path = cfg.socket_path
     try:
         return AgentClient(
-            path, verify_payload=verify_payload, attach_pool=attach_pool, timeout=timeout
+            path, verify_dram_reads=verify_dram_reads, attach_pool=attach_pool, timeout=timeout
         )
     except (FileNotFoundError, ConnectionRefusedError, IPCError, OSError):
         if embedded == "never":
@@ -605,7 +605,7 @@ def connect(
         if path not in _embedded:
             log.info("no node agent at %s: starting an embedded one", path)
             _embedded[path] = EmbeddedAgent(cfg)
-    return AgentClient(path, verify_payload=verify_payload, timeout=timeout)
+    return AgentClient(path, verify_dram_reads=verify_dram_reads, timeout=timeout)
 
 
 def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
@@ -619,7 +619,7 @@ def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
     return connect(
         cfg,
         embedded=str(extra_config.get("embedded", "auto")),
-        verify_payload=bool(extra_config.get("verify_dram_reads", True)),
+        verify_dram_reads=bool(extra_config.get("verify_dram_reads", True)),
         timeout=float(extra_config.get("agent_timeout_s", 60.0)),
     )
 

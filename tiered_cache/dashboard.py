@@ -32,13 +32,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiered_cache.api import SOURCES
 from tiered_cache.config import CacheConfig
 from tiered_cache.ipc import IPCError
 from tiered_cache.protocol import Counters, Nodes, PinLs, Stats, agent_call
 
 log = logging.getLogger(__name__)
 
-TIER_ORDER = ("dram", "nvme", "s3", "peer")
 ERROR_KINDS = (
     "verification_failures",
     "read_errors",
@@ -95,7 +95,7 @@ def _total(samples: Iterable[tuple[str, dict[str, str], float]], name: str) -> f
 
 
 def _tier_sort(names: Iterable[str]) -> list[str]:
-    return sorted(set(names), key=lambda t: (TIER_ORDER.index(t) if t in TIER_ORDER else 99, t))
+    return sorted(set(names), key=lambda t: (SOURCES.index(t) if t in SOURCES else 99, t))
 
 
 @dataclass

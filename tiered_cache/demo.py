@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
+from tiered_cache.api import SOURCES
 from tiered_cache.vllm_launch import (
     REPO,
     VllmServer,
@@ -38,8 +39,6 @@ from tiered_cache.vllm_launch import (
     spawn,
     stop_group,
 )
-
-TIERS = ("dram", "nvme", "peer", "s3")
 
 
 def say(msg: str) -> None:
@@ -158,7 +157,7 @@ def _stats(sock: str) -> dict[str, float]:
 
 
 def _hits(m: dict[str, float]) -> dict[str, float]:
-    return {t: m.get(f"tiered_cache_hits_total{{tier={t}}}", 0.0) for t in TIERS}
+    return {t: m.get(f"tiered_cache_hits_total{{tier={t}}}", 0.0) for t in SOURCES}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,7 +374,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
                 rows.append([i, cid, usage.get("prompt_tokens", 0),
                              details.get("cached_tokens", 0), ttft, None, {}])  # fmt: skip
             after = _hits(_stats(sock))
-            rows[-1][6] = {k: int(after[k] - before[k]) for k in TIERS}  # per wave
+            rows[-1][6] = {k: int(after[k] - before[k]) for k in SOURCES}  # per wave
             before = after
     # The same prompts with nothing cached, one at a time on the decode server.
     for row, (_i, (_cid, prompt)) in zip(rows, work_items, strict=True):
@@ -441,7 +440,7 @@ def _report(rows: list[list[Any]], m: dict[str, float]) -> None:
     total = sum(hits.values()) + misses
     print()
     print("hit rate by tier (chunks served / chunk loads requested):")
-    for t in TIERS:
+    for t in SOURCES:
         share = hits[t] / total if total else 0.0
         print(f"  {t:5} {int(hits[t]):5d}  {share:6.1%}")
     print(f"  miss  {int(misses):5d}  {misses / total if total else 0.0:6.1%}")

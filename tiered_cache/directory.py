@@ -52,16 +52,15 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tiered_cache.api import SHARED_TIERS, TIERS
 from tiered_cache.keys import ModelFingerprint, is_valid_key
 from tiered_cache.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-TIERS = ("dram", "nvme", "s3")
 _TIER_RANK = {t: i for i, t in enumerate(TIERS)}
 # S3 is shared storage: a chunk there stays readable when the node that wrote it dies,
 # so heartbeat filtering applies only to node-local tiers.
-SHARED_TIERS = frozenset({"s3"})
 _SEP = "\x1f"  # member separator: cannot appear in node ids (validated) or tier names
 _PIN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _NS_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

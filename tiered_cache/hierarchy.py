@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from policies import AdmissionPolicy, EntryInfo, EvictionPolicy, make_admission, make_eviction
 from tiered_cache import codec
+from tiered_cache.api import NODE_TIERS
 from tiered_cache.codec import ChunkMeta
 from tiered_cache.directory import Directory, Pin
 from tiered_cache.estimates import SourceEstimator, kind_of
@@ -82,7 +83,7 @@ class TieredStore:
         directory: Directory | None = None,
         metrics: Metrics | None = None,
         location_ttl_s: float = 3600.0,
-        verify_dram: bool = False,
+        verify_dram_reads: bool = False,
         peer_fetch: PeerFetch | None = None,
         max_background: int = 16,
     ) -> None:
@@ -103,7 +104,7 @@ class TieredStore:
         self.location_ttl_s = location_ttl_s
         # DRAM contents were verified on the way in and live in trusted memory; re-hashing
         # them on every read would cost as much as the copy itself.
-        self.verify_dram = verify_dram
+        self.verify_dram_reads = verify_dram_reads
         self.peer_fetch = peer_fetch
         # Expected time per source (dram, nvme, peer:<node>, s3), from real transfers.
         self.estimates = SourceEstimator()
@@ -453,7 +454,7 @@ class TieredStore:
             locs = await self.directory.locate(keys)
             for i, ls in enumerate(locs):
                 if self.peer_fetch is not None and any(
-                    loc.node_id != self.node_id and loc.tier in ("dram", "nvme") for loc in ls
+                    loc.node_id != self.node_id and loc.tier in NODE_TIERS for loc in ls
                 ):
                     res[i] = "peer"
                 elif "s3" in self.by_name and any(loc.tier == "s3" for loc in ls):
@@ -533,7 +534,7 @@ class TieredStore:
                     # A peer serves from all its tiers: list it once.
                     if (
                         loc.node_id != self.node_id
-                        and loc.tier in ("dram", "nvme")
+                        and loc.tier in NODE_TIERS
                         and p not in cands
                     ):
                         cands.append(p)
@@ -577,7 +578,7 @@ class TieredStore:
                 raw,
                 expect_key=key,
                 expect_fingerprint=expect_fp,
-                verify_payload=self.verify_dram or name != "dram",
+                verify_payload=self.verify_dram_reads or name != "dram",
             )
         except codec.ChunkMismatch as e:
             log.warning("%s chunk %s unusable here: %s", name, key, e)
@@ -605,7 +606,7 @@ class TieredStore:
         nodes = [
             loc.node_id
             for loc in locs
-            if loc.node_id != self.node_id and loc.tier in ("dram", "nvme")
+            if loc.node_id != self.node_id and loc.tier in NODE_TIERS
         ]
         for node in dict.fromkeys(nodes):  # a peer serves from all its tiers: ask it once
             hit = await self._fetch_from_peer(key, node, expect_fp)

@@ -134,13 +134,3 @@ def partial_keys(
         hashlib.sha256(parent + arr[start : start + n].tobytes()).digest()[:KEY_BYTES].hex()
         for n in lengths
     ]
-
-
-def chunk_spans(
-    num_tokens: int, chunk_size: int, include_partial: bool = False
-) -> list[tuple[int, int]]:
-    """[start, end) token spans matching ``chunk_keys`` order."""
-    spans = [(i * chunk_size, (i + 1) * chunk_size) for i in range(num_tokens // chunk_size)]
-    if include_partial and num_tokens % chunk_size:
-        spans.append((num_tokens - num_tokens % chunk_size, num_tokens))
-    return spans

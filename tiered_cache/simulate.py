@@ -64,6 +64,7 @@ from policies import (
 )
 from policies.belady import belady_hits
 from tiered_cache import codec
+from tiered_cache.api import TIERS
 from tiered_cache.config import parse_size
 from tiered_cache.hierarchy import TieredStore, TierSlot
 from tiered_cache.metrics import Metrics
@@ -73,7 +74,6 @@ BLOCK_TOKENS = 512
 # One 512-token block of Llama-3.1-8B KV in bf16: 2 (K, V) x 32 layers x 8 KV heads
 # x 128 dims x 2 bytes = 128 KiB per token, 64 MiB per block.
 DEFAULT_BLOCK_BYTES = 512 * 128 * 1024
-TIER_NAMES = ("dram", "nvme", "s3")
 _FINGERPRINT = b"tiered-cache-sim"  # 16 bytes
 _HCRC = struct.Struct("<I")
 
@@ -253,8 +253,8 @@ def parse_tier(spec: str, block_bytes: int = DEFAULT_BLOCK_BYTES) -> TierSpec:
     if not m:
         raise SimError(f"bad --tier {spec!r}: use NAME=SIZE[:EVICTION[:ADMISSION]], e.g. dram=8000")
     name, size, ev, adm = m.group(1).lower(), m.group(2), m.group(3), m.group(4)
-    if name not in TIER_NAMES:
-        raise SimError(f"bad --tier {spec!r}: tier must be one of {', '.join(TIER_NAMES)}")
+    if name not in TIERS:
+        raise SimError(f"bad --tier {spec!r}: tier must be one of {', '.join(TIERS)}")
     if size.isdigit():
         blocks = int(size)
     else:

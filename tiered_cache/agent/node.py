@@ -123,7 +123,7 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
             directory=self.directory,
             metrics=self.metrics,
             location_ttl_s=cfg.location_ttl_s,
-            verify_dram=cfg.dram.verify_reads,
+            verify_dram_reads=cfg.dram.verify_reads,
             peer_fetch=self._peer_fetch,
         )
         self._servers: list[asyncio.base_events.Server] = []
