@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Generic, TypeVar
 
 from policies.base import EntryInfo
@@ -54,6 +55,38 @@ def compact_due(heap_len: int, live: int) -> bool:
     so it is amortised O(1) per operation and the heap stays O(live) in size.
     """
     return heap_len > 2 * live + 64
+
+
+Item = TypeVar("Item", bound=tuple[object, ...])
+
+
+def heap_top(heap: list[Item], live: Callable[[Item], bool], protected: Set[str]) -> str | None:
+    """The key (last field) of the smallest live item whose key is not protected.
+
+    Stale items on top are dropped (lazy deletion). Protected ones are set aside and
+    pushed back unchanged, so skipping them leaves their rank as it was.
+    """
+    held: list[Item] = []
+    found: str | None = None
+    while heap:
+        item = heap[0]
+        if not live(item):
+            heapq.heappop(heap)
+        elif protected and item[-1] in protected:
+            held.append(heapq.heappop(heap))
+        else:
+            found = item[-1]  # type: ignore[assignment]
+            break
+    for item in held:
+        heapq.heappush(heap, item)
+    return found
+
+
+def first_free(keys: Iterable[str], protected: Set[str]) -> str | None:
+    """The first key not in ``protected`` (queues are iterated oldest first)."""
+    if not protected:
+        return next(iter(keys), None)
+    return next((k for k in keys if k not in protected), None)
 
 
 def parent_of(key: str, info: EntryInfo | None) -> str | None:

@@ -14,9 +14,10 @@ count at eviction time is the capacity). Ghost lists obey ARC's bounds
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Set
 
-from policies._util import DEFAULT_DETACHED, Detached
-from policies.base import EntryInfo, EvictionPolicy
+from policies._util import DEFAULT_DETACHED, Detached, first_free
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 
 class ARC(EvictionPolicy):
@@ -32,7 +33,6 @@ class ARC(EvictionPolicy):
         self._b2: OrderedDict[str, None] = OrderedDict()
         self.p = 0.0  # target size of T1
         self._peak = 0
-        self._pending: str | None = None
         # key -> "was in T2 (or read while detached)"
         self._detached: Detached[bool] = Detached(max(DEFAULT_DETACHED, capacity_hint or 0))
 
@@ -99,13 +99,10 @@ class ARC(EvictionPolicy):
         while len(self) + len(self._b1) + len(self._b2) > 2 * c and (self._b1 or self._b2):
             (self._b2 if self._b2 else self._b1).popitem(last=False)
 
-    def victim(self) -> str | None:
-        if self._t1 and (len(self._t1) > self.p or not self._t2):
-            key = next(iter(self._t1))
-        elif self._t2:
-            key = next(iter(self._t2))
-        else:
-            return None
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
+        t1 = first_free(self._t1, protected)
+        t2 = first_free(self._t2, protected)
+        key = t1 if t1 is not None and (len(self._t1) > self.p or t2 is None) else t2
         self._pending = key
         return key
 

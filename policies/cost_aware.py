@@ -26,10 +26,18 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
-from policies._util import DEFAULT_DETACHED, Detached, PrefixTree, Sized, compact_due, parent_of
-from policies.base import EntryInfo, EvictionPolicy
+from policies._util import (
+    DEFAULT_DETACHED,
+    Detached,
+    PrefixTree,
+    Sized,
+    compact_due,
+    heap_top,
+    parent_of,
+)
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 
 def attention_cost(position: int) -> float:
@@ -61,7 +69,6 @@ class CostAware(Sized, EvictionPolicy):
         self._tick = 0
         self._inflation = 0.0  # L
         self._peak = 0
-        self._pending: str | None = None
         self._history: OrderedDict[str, int] = OrderedDict()  # evicted key -> freq
         self._detached: Detached[int] = Detached(max(DEFAULT_DETACHED, capacity_hint or 0))
 
@@ -142,19 +149,19 @@ class CostAware(Sized, EvictionPolicy):
             self._detached.put(key, freq)
         self._pending = None
 
-    def victim(self) -> str | None:
-        heap = self._heap
-        while heap:
-            h, t, key = heap[0]
-            if self._stamp.get(key) == (h, t) and not self._tree.children.get(key, 0):
-                self._pending = key
-                return key
-            heapq.heappop(heap)
-        if self._stamp:  # only reachable with a parent cycle (malformed input)
-            key = min(self._stamp, key=self._stamp.__getitem__)
-            self._pending = key
-            return key
-        return None
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
+        stamp, children = self._stamp, self._tree.children
+        key = heap_top(
+            self._heap,
+            lambda i: stamp.get(i[2]) == (i[0], i[1]) and not children.get(i[2]),
+            protected,
+        )
+        if key is None and len(stamp) > len(protected):
+            # only reachable with a parent cycle (malformed input)
+            free = [k for k in stamp if k not in protected]
+            key = min(free, key=stamp.__getitem__) if free else None
+        self._pending = key
+        return key
 
     def __contains__(self, key: object) -> bool:
         return key in self._weight

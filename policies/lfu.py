@@ -14,9 +14,10 @@ the live ones, so memory stays O(n).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Set
 
-from policies._util import DEFAULT_DETACHED, Detached, compact_due
-from policies.base import EntryInfo, EvictionPolicy
+from policies._util import DEFAULT_DETACHED, Detached, compact_due, heap_top
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 
 class LFU(EvictionPolicy):
@@ -28,7 +29,6 @@ class LFU(EvictionPolicy):
         self._heap: list[tuple[int, int, str]] = []
         self._tick = 0
         self._age = 0  # L: priority of the last evicted entry
-        self._pending: str | None = None  # last key victim() returned
         self._detached: Detached[int] = Detached(max(DEFAULT_DETACHED, capacity_hint or 0))
 
     def _touch(self, key: str) -> None:
@@ -67,15 +67,10 @@ class LFU(EvictionPolicy):
             self._detached.put(key, freq)
         self._pending = None
 
-    def victim(self) -> str | None:
-        heap = self._heap
-        while heap:
-            k, t, key = heap[0]
-            if self._stamp.get(key) == (k, t):
-                self._pending = key
-                return key
-            heapq.heappop(heap)
-        return None
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
+        stamp = self._stamp
+        self._pending = heap_top(self._heap, lambda i: stamp.get(i[2]) == (i[0], i[1]), protected)
+        return self._pending
 
     def frequency(self, key: str) -> int:
         return self._freq.get(key, 0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Set
 
-from policies.base import EntryInfo, EvictionPolicy
+from policies._util import first_free
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 
 class LRU(EvictionPolicy):
@@ -24,8 +26,8 @@ class LRU(EvictionPolicy):
     def on_remove(self, key: str) -> None:
         self._od.pop(key, None)
 
-    def victim(self) -> str | None:
-        return next(iter(self._od), None)
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
+        return first_free(self._od, protected)
 
     def __contains__(self, key: object) -> bool:
         return key in self._od

@@ -21,9 +21,10 @@ rebuild once they outnumber the live entries.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Set
 
-from policies._util import PrefixTree, compact_due, parent_of
-from policies.base import EntryInfo, EvictionPolicy
+from policies._util import PrefixTree, compact_due, heap_top, parent_of
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 
 class PrefixAware(EvictionPolicy):
@@ -71,16 +72,16 @@ class PrefixAware(EvictionPolicy):
         del self._tick_of[key]
         self._push_if_leaf(self._tree.unlink(key))
 
-    def victim(self) -> str | None:
-        heap = self._heap
-        while heap:
-            t, key = heap[0]
-            if self._tick_of.get(key) == t and self._tree.children.get(key, 0) == 0:
-                return key
-            heapq.heappop(heap)
-        if self._tick_of:  # only reachable with a parent cycle (malformed input)
-            return min(self._tick_of, key=self._tick_of.__getitem__)
-        return None
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
+        tick_of, children = self._tick_of, self._tree.children
+        key = heap_top(
+            self._heap, lambda i: tick_of.get(i[1]) == i[0] and not children.get(i[1]), protected
+        )
+        if key is None and len(tick_of) > len(protected):
+            # only reachable with a parent cycle (malformed input)
+            free = [k for k in tick_of if k not in protected]
+            key = min(free, key=tick_of.__getitem__) if free else None
+        return key
 
     def __contains__(self, key: object) -> bool:
         return key in self._tree

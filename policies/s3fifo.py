@@ -21,9 +21,10 @@ G holds at most as many keys as M's share (``capacity - small``), as in the pape
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Set
 
 from policies._util import DEFAULT_DETACHED, Detached, SmallMainGhost
-from policies.base import EntryInfo, EvictionPolicy
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 MAX_FREQ = 3
 
@@ -43,7 +44,6 @@ class S3FIFO(SmallMainGhost, EvictionPolicy):
         self._ghost: OrderedDict[str, None] = OrderedDict()
         self._freq: dict[str, int] = {}
         self._peak = 0
-        self._pending: str | None = None
         # key -> (freq, was in main)
         self._detached: Detached[tuple[int, bool]] = Detached(
             max(DEFAULT_DETACHED, capacity_hint or 0)
@@ -102,11 +102,20 @@ class S3FIFO(SmallMainGhost, EvictionPolicy):
             if not evicted:
                 self._detached.put(key, (freq, True))
 
-    def victim(self) -> str | None:
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
         small, main, freq = self._small, self._main, self._freq
+        # Protected entries met at a queue's head are set aside and put back in front,
+        # in order: where they were, with their counters untouched.
+        held_s: list[str] = []
+        held_m: list[str] = []
+        key: str | None = None
         while small or main:
-            if small and (len(small) >= self.small_target or not main):
+            if small and (len(small) + len(held_s) >= self.small_target or not main):
                 key = next(iter(small))
+                if key in protected:
+                    del small[key]
+                    held_s.append(key)
+                    continue
                 if freq[key] >= 1:  # read while in S: promote to M
                     del small[key]
                     main[key] = None
@@ -114,13 +123,23 @@ class S3FIFO(SmallMainGhost, EvictionPolicy):
                     continue
             else:
                 key = next(iter(main))
+                if key in protected:
+                    del main[key]
+                    held_m.append(key)
+                    continue
                 if freq[key] > 0:  # second chance in M
                     freq[key] -= 1
                     main.move_to_end(key)
                     continue
-            self._pending = key
-            return key
-        return None
+            break
+        else:
+            key = None
+        for queue, held in ((small, held_s), (main, held_m)):
+            for k in reversed(held):
+                queue[k] = None
+                queue.move_to_end(k, last=False)
+        self._pending = key
+        return key
 
     def __contains__(self, key: object) -> bool:
         return key in self._freq

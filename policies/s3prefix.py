@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Set
 
 from policies._util import (
     DEFAULT_DETACHED,
@@ -40,9 +41,10 @@ from policies._util import (
     PrefixTree,
     SmallMainGhost,
     compact_due,
+    heap_top,
     parent_of,
 )
-from policies.base import EntryInfo, EvictionPolicy
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 
 class S3Prefix(SmallMainGhost, EvictionPolicy):
@@ -72,7 +74,6 @@ class S3Prefix(SmallMainGhost, EvictionPolicy):
         self._ghost: OrderedDict[str, None] = OrderedDict()
         self._tick = 0
         self._peak = 0
-        self._pending: str | None = None
         # key -> (in M, read while in S)
         self._detached: Detached[tuple[bool, bool]] = Detached(
             max(DEFAULT_DETACHED, capacity_hint or 0)
@@ -105,15 +106,14 @@ class S3Prefix(SmallMainGhost, EvictionPolicy):
             heap[:] = [(t, k) for k, t in queue.items() if not children.get(k, 0)]
             heapq.heapify(heap)
 
-    def _top(self, heap: list[tuple[int, str]], queue: dict[str, int]) -> str | None:
-        """The live leaf with the smallest tick, dropping stale items."""
+    def _top(
+        self, heap: list[tuple[int, str]], queue: dict[str, int], protected: Set[str]
+    ) -> str | None:
+        """The unprotected live leaf with the smallest tick, dropping stale items."""
         children = self._tree.children
-        while heap:
-            t, key = heap[0]
-            if queue.get(key) == t and not children.get(key, 0):
-                return key
-            heapq.heappop(heap)
-        return None
+        return heap_top(
+            heap, lambda i: queue.get(i[1]) == i[0] and not children.get(i[1]), protected
+        )
 
     # ------------------------------------------------------------ tree
 
@@ -188,21 +188,23 @@ class S3Prefix(SmallMainGhost, EvictionPolicy):
                 self._ghost.popitem(last=False)
         self._pending = None
 
-    def victim(self) -> str | None:
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
         small, main = self._small, self._main
         while small and (len(small) >= self.small_target or not main):
-            key = self._top(self._sheap, small)
+            key = self._top(self._sheap, small, protected)
             if key is None:
                 break
             if key not in self._read:
                 self._pending = key
                 return key
             self._to_main(key)
-        key = self._top(self._mheap, main)
+        key = self._top(self._mheap, main, protected)
         if key is None:
-            key = self._top(self._sheap, small)
-        if key is None and self._tree:  # only reachable with a parent cycle (bad input)
-            key = min(self._tree.parent, key=lambda k: small.get(k, main.get(k, 0)))
+            key = self._top(self._sheap, small, protected)
+        if key is None and len(self._tree) > len(protected):
+            # only reachable with a parent cycle (bad input)
+            free = [k for k in self._tree.parent if k not in protected]
+            key = min(free, key=lambda k: small.get(k, main.get(k, 0))) if free else None
         self._pending = key
         return key
 

@@ -9,8 +9,10 @@ to the tail at the head. Amortised O(1): each skip clears a bit set by an earlie
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 from policies._util import DEFAULT_DETACHED, Detached
-from policies.base import EntryInfo, EvictionPolicy
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 
 class _Node:
@@ -31,7 +33,6 @@ class SIEVE(EvictionPolicy):
         self._head: _Node | None = None  # newest
         self._tail: _Node | None = None  # oldest
         self._hand: _Node | None = None
-        self._pending: str | None = None
         self._detached: Detached[bool] = Detached(max(DEFAULT_DETACHED, capacity_hint or 0))
 
     def visited(self, key: str) -> bool:
@@ -78,12 +79,17 @@ class SIEVE(EvictionPolicy):
             self._tail = node.newer
         node.newer = node.older = None
 
-    def victim(self) -> str | None:
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
         node = self._hand or self._tail
-        if node is None:
+        if node is None or (
+            len(self._nodes) <= len(protected) and all(k in protected for k in self._nodes)
+        ):
             return None
-        while node.visited:
-            node.visited = False
+        # Protected nodes are passed with their visited bit as it was. Two laps at most:
+        # the first clears every unprotected bit.
+        while node.visited or node.key in protected:
+            if node.key not in protected:
+                node.visited = False
             node = node.newer or self._tail
             assert node is not None
         self._hand = node

@@ -28,10 +28,11 @@ at least 4096), or 2**16 counters per row without a hint.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Set
 
-from policies._util import DEFAULT_DETACHED, Detached
+from policies._util import DEFAULT_DETACHED, Detached, first_free
 from policies.admission import TinyLFU
-from policies.base import EntryInfo, EvictionPolicy
+from policies.base import NOTHING, EntryInfo, EvictionPolicy
 
 WINDOW, PROBATION, PROTECTED = 0, 1, 2
 STEP = 0.0625  # first window resize, as a fraction of the capacity (Caffeine's value)
@@ -68,7 +69,6 @@ class WTinyLFU(EvictionPolicy):
         self._q: tuple[OrderedDict[str, None], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
         self._where: dict[str, int] = {}
         self._peak = 0
-        self._pending: str | None = None
         self._detached: Detached[int] = Detached(max(DEFAULT_DETACHED, capacity_hint or 0))
 
     @property
@@ -159,10 +159,10 @@ class WTinyLFU(EvictionPolicy):
             self._detached.put(key, q)
         self._pending = None
 
-    def victim(self) -> str | None:
-        if self._pending is not None:  # stable until the next insert, read or removal
-            return self._pending
-        window, probation, protected = self._q
+    def victim(self, protected: Set[str] = NOTHING) -> str | None:
+        if self._pending is not None and self._pending not in protected:
+            return self._pending  # stable until the next insert, read or removal
+        window, probation, prot = self._q
         key: str | None
         target = self.window_target
         # Window overflow beyond one candidate moves to probation without a contest: the
@@ -170,24 +170,19 @@ class WTinyLFU(EvictionPolicy):
         while len(window) > target + 1:
             old, _ = window.popitem(last=False)
             self._put(old, PROBATION)
-        if window and len(window) > target and (probation or protected):
-            cand = next(iter(window))
-            main = probation if probation else protected
-            other = next(iter(main))
+        cand = first_free(window, protected) if len(window) > target else None
+        other = first_free(probation, protected)
+        if other is None:
+            other = first_free(prot, protected)
+        if cand is not None and other is not None:
             if self.sketch.estimate(cand) > self.sketch.estimate(other):
                 del window[cand]
                 self._put(cand, PROBATION)
                 key = other
             else:
                 key = cand
-        elif probation:
-            key = next(iter(probation))
-        elif protected:
-            key = next(iter(protected))
-        elif window:
-            key = next(iter(window))
         else:
-            return None
+            key = other if other is not None else first_free(window, protected)
         self._pending = key
         return key
 

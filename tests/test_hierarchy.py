@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from policies import make_admission
+from policies import LFU, make_admission
 from tiered_cache import codec
 from tiered_cache.directory import Pin, RedisDirectory
 from tiered_cache.hierarchy import PinRefused, TieredStore, TierSlot
@@ -358,6 +358,24 @@ async def test_leasing_more_chunks_than_dram_holds(nvme_dir: Path) -> None:
     assert store.metrics.value(ev, tier="dram", reason="capacity") == before
     for slot, _ in leased:
         store.release(slot)
+    await store.close()
+
+
+async def test_eviction_steps_over_a_leased_chunk_without_counting_a_read() -> None:
+    lfu = LFU()
+    store = TieredStore([TierSlot(dram(2), eviction=lfu)])
+    a, b, c = key(1), key(2), key(3)
+    for k in (a, b):
+        await store.put(k, blob(k), wait=True)
+    for _ in range(2):
+        assert await store.get(b, expect_fingerprint=FP) is not None
+    got = await store.lease(a, expect_fingerprint=FP)  # a real read: a's count is 2
+    assert isinstance(got, tuple) and lfu.frequency(a) == 2
+    # a is the LFU victim but leased: b goes, and a's count is what its reads made it.
+    await store.put(c, blob(c), wait=True)
+    assert (await store.contains([a, b, c]))["dram"] == [True, False, True]
+    assert lfu.frequency(a) == 2
+    store.release(got[0])
     await store.close()
 
 

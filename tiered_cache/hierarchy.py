@@ -175,22 +175,17 @@ class TieredStore:
     async def _make_room(self, slot: TierSlot, nbytes: int) -> None:
         """Evict from ``slot`` until ``nbytes`` fit. Caller holds the tier's lock."""
         tier = slot.tier
-        skipped = 0
         while not tier.has_room(nbytes):
-            victim = slot.eviction.victim()
-            if victim is None:
+            # A chunk a reader holds would free nothing until it is released: the policy
+            # steps over it without counting a read, so its rank stays as it was.
+            chosen = slot.eviction.evict(1, tier.leased())
+            if not chosen:
                 raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
-            if tier.is_leased(victim):
-                # Evicting a chunk a reader holds frees nothing until it is released:
-                # pass over it (it counts as used) and try the next one.
-                skipped += 1
-                if skipped > len(slot.eviction):
-                    raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
-                slot.eviction.on_access(victim)
-                continue
-            await self._evict(slot, victim, reason="capacity")
+            await self._evict(slot, chosen[0], reason="capacity")
 
     async def _evict(self, slot: TierSlot, key: str, reason: str) -> None:
+        """Write ``key`` back below if that tier is write-back, then drop it from ``slot``.
+        The eviction policy has already let go of it."""
         below = self._below(slot)
         if below is not None and below.write_mode == "write_back":
             with contextlib.suppress(TierError):
@@ -198,7 +193,6 @@ class TieredStore:
                     raw = await slot.tier.get(key)
                     if raw is not None:
                         await self._write_tier(below, key, raw, demotion=True)
-        slot.eviction.on_remove(key)
         if await slot.tier.delete(key):
             self.metrics.evictions.labels(slot.name, reason).inc()
             if self.directory is not None:

@@ -8,7 +8,7 @@ A tier that cannot take a chunk raises ``TierFull`` (capacity) or ``TierError`` 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,9 +81,10 @@ class Tier(abc.ABC):
         u = self.usage()
         return u.capacity_bytes is None or u.used_bytes + nbytes <= u.capacity_bytes
 
-    def is_leased(self, key: str) -> bool:
-        """Whether a reader holds ``key`` now (evicting it would free nothing yet)."""
-        return False
+    def leased(self) -> Set[str]:
+        """Keys a reader holds now: evicting them would free nothing yet, so eviction
+        passes over them (``EvictionPolicy.evict``'s ``protected``)."""
+        return frozenset()
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Finish set-up that needs the event loop (e.g. S3's budget listing)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -177,6 +177,7 @@ class DRAMTier(SlotTier):
         self.pinned_host = maybe_pin_host_memory(self._buf)
         self._runs: dict[int, _Run] = {}  # first slot -> run (committed, reserved, zombie)
         self._index: dict[str, int] = {}
+        self._leased: set[int] = set()  # slots of runs with leases > 0
         self._free = _Extents()
         self._used_bytes = 0
         # Published copy of the index, read by clients without asking the agent. Made
@@ -308,19 +309,22 @@ class DRAMTier(SlotTier):
             return None
         run = self._runs[slot]
         run.leases += 1
+        self._leased.add(slot)
         return slot, run.length
 
-    def is_leased(self, key: str) -> bool:
-        slot = self._index.get(key)
-        return slot is not None and self._runs[slot].leases > 0
+    def leased(self) -> Set[str]:
+        runs = self._runs
+        return {k for s in self._leased if not runs[s].zombie and (k := runs[s].key) is not None}
 
     def release(self, slot: int) -> None:
         run = self._runs.get(slot)
         if run is None or run.leases <= 0:
             raise RuntimeError(f"release of unleased slot {slot}")
         run.leases -= 1
-        if run.leases == 0 and run.zombie:
-            self._release_slot(slot)
+        if run.leases == 0:
+            self._leased.discard(slot)
+            if run.zombie:
+                self._release_slot(slot)
 
     def _drop(self, slot: int) -> None:
         self.shared_index.unpublish(slot)  # first: a lock-free reader must see it go
