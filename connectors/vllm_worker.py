@@ -487,14 +487,13 @@ class WorkerSide(ConnectorBase):
             self._save_stream.synchronize()
         kv.synchronize()
         store = self._open_store()
-        metas = [self._chunk_meta(s, key) for s, key, _ in st.todo]
-        parents = [p for _, _, p in st.todo]
+        metas = [self._chunk_meta(s, key, parent) for s, key, parent in st.todo]
         nbytes = sum(v.nbytes for v in st.res.views)
         res = st.res
 
         def commit() -> None:
             try:
-                store.commit_payloads(res, metas, parents)
+                store.commit_payloads(res, metas)
             except OSError as e:  # the agent went away: later steps skip saving
                 self._stats.inc("store_errors", "save")
                 self._guard.failed(e)
@@ -516,7 +515,7 @@ class WorkerSide(ConnectorBase):
                 f.result(timeout)
         self._pending_commits.clear()
 
-    def _chunk_meta(self, s: SaveChunk, key: str) -> ChunkMeta:
+    def _chunk_meta(self, s: SaveChunk, key: str, parent: str | None) -> ChunkMeta:
         kv = self._kv
         assert kv is not None
         return ChunkMeta(
@@ -527,6 +526,8 @@ class WorkerSide(ConnectorBase):
             shape=kv.payload_shape(len(s.block_ids)),
             kv_layout=self._id.kv_layout,
             block_size=self._block_size,
+            parent=parent or "",
+            position=s.index,
         )
 
     def _saved(self, n: int, nbytes: int, dt: float) -> None:
@@ -548,16 +549,16 @@ class WorkerSide(ConnectorBase):
             buf = staging.reserve(need)
             items: list[tuple[ChunkMeta, memoryview]] = []
             off = 0
-            for s, key, _ in batch:
+            for s, key, parent in batch:
                 nb = len(s.block_ids)
                 n = kv.payload_nbytes(nb)
                 flat = buf[off : off + n]
                 kv.gather(s.block_ids, flat.view(kv.dtype).view(kv.payload_shape(nb)))
-                items.append((self._chunk_meta(s, key), flat.numpy().data))
+                items.append((self._chunk_meta(s, key, parent), flat.numpy().data))
                 off += n
             kv.synchronize()
             # put_many returns once the bytes are copied out of staging.
-            store.put_many(items, parents=[t[2] for t in batch])
+            store.put_many(items)
             nbytes_total += off
         self._saved(len(st.todo), nbytes_total, time.perf_counter() - st.t0)
 

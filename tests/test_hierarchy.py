@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from policies import LFU, make_admission
+from policies import LFU, PrefixAware, make_admission
 from tiered_cache import codec
 from tiered_cache.directory import Pin, RedisDirectory
 from tiered_cache.hierarchy import PinRefused, TieredStore, TierSlot
@@ -359,6 +359,32 @@ async def test_leasing_more_chunks_than_dram_holds(nvme_dir: Path) -> None:
     for slot, _ in leased:
         store.release(slot)
     await store.close()
+
+
+async def test_restart_keeps_the_prefix_tree(nvme_dir: Path) -> None:
+    """Chunks found at start-up enter the policy with the parent their header names, so a
+    prefix-aware policy still evicts the deepest chunk first after a restart."""
+    a, b = key(1), key(2)
+    blobs = {
+        a: codec.encode(codec.ChunkMeta(key=a, fingerprint=FP, num_tokens=16), b"a" * PAY),
+        b: codec.encode(
+            codec.ChunkMeta(key=b, fingerprint=FP, num_tokens=16, parent=a, position=1),
+            b"b" * PAY,
+        ),
+    }
+    first = TieredStore([TierSlot(NVMeTier(nvme_dir, None))])
+    for k in (a, b):  # inline puts: the info comes from the header
+        assert await first.put(k, blobs[k], wait=True)
+    await first.close()
+    policy = PrefixAware()
+    again = TieredStore([TierSlot(NVMeTier(nvme_dir, None), eviction=policy)])
+    await again.open()
+    assert len(policy) == 2 and not policy.is_leaf(a) and policy.is_leaf(b)
+    assert policy.evict(1) == [b]
+    await again.delete(b)
+    await again.delete(a)
+    assert not again._info  # forgotten once no tier holds them
+    await again.close()
 
 
 async def test_eviction_steps_over_a_leased_chunk_without_counting_a_read() -> None:

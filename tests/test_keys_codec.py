@@ -68,6 +68,17 @@ def _meta(key: str, n: int = 32) -> codec.ChunkMeta:
     )
 
 
+def test_header_carries_the_prefix_chain() -> None:
+    k0, k1 = chunk_keys(list(range(64)), FP)
+    m = codec.ChunkMeta(key=k1, fingerprint=FP.digest, num_tokens=32, parent=k0, position=1)
+    got, _ = codec.decode(codec.encode(m, b"x" * 8), expect_key=k1)
+    assert (got.parent, got.position) == (k0, 1)
+    first, _ = codec.decode(codec.encode(_meta(k0), b"x" * 8))
+    assert (first.parent, first.position) == ("", 0)  # what a version-1 header reads as
+    with pytest.raises(ValueError, match="parent"):
+        codec.encode(codec.ChunkMeta(key=k1, fingerprint=FP.digest, num_tokens=1, parent="ab"), b"")
+
+
 def test_codec_roundtrip_zero_copy() -> None:
     key = chunk_keys(list(range(32)), FP)[0]
     payload = np.arange(64, dtype=np.float32).tobytes()

@@ -3,6 +3,7 @@ the policies added for it (W-TinyLFU)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import random
@@ -14,17 +15,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import EVICTION_POLICIES, EntryInfo, WTinyLFU
-from policies.tracegen import generate_trace, write_jsonl
 from tiered_cache import codec
 from tiered_cache.cli import main
+from tiered_cache.events import MetricsEvents, StoreEvents
+from tiered_cache.hierarchy import TieredStore, TierSlot
 from tiered_cache.simulate import (
     DEFAULT_BLOCK_BYTES,
-    NullMetrics,
     SimError,
+    SimTier,
     StubEncoder,
     TierSpec,
     belady,
     block_key,
+    build_store,
     load_trace,
     parse_policies,
     parse_tier,
@@ -33,6 +36,7 @@ from tiered_cache.simulate import (
     stub_chunk,
     unbounded,
 )
+from tiered_cache.tools.tracegen import generate_trace, write_jsonl
 
 Rec = dict[str, object]
 
@@ -205,10 +209,14 @@ def test_s3prefix_keeps_a_reread_prefix_through_a_scan() -> None:
     assert simulate(r, tier, "lru").hit_blocks == 2 * 3  # the scan flushed it
 
 
-def test_null_metrics_accept_metrics_added_later() -> None:
-    m = NullMetrics()
-    m.some_new_gauge.labels("dram").set(1.0)
-    m.hits.labels("dram").inc()
+def test_the_simulated_store_reports_to_no_metrics() -> None:
+    """Its events go to a plain StoreEvents (no Prometheus bookkeeping in the replay);
+    the agent's store turns the same events into its series."""
+    store = build_store([TierSpec("dram", 4)], "lru")
+    assert type(store.events) is StoreEvents
+    asyncio.run(store.put(block_key(1), stub_chunk(block_key(1))))
+    assert store.metrics.value("tiered_cache_written_bytes_total", tier="dram") == 0
+    assert TieredStore([TierSlot(SimTier("dram", 1024, 64))]).events.__class__ is MetricsEvents
 
 
 def test_admission_keeps_one_hit_wonders_out() -> None:

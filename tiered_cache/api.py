@@ -75,9 +75,8 @@ class ChunkStore(Protocol):
         items: Sequence[tuple[ChunkMeta, PayloadLike]],
         *,
         wait: bool = False,
-        parents: Sequence[str | None] | None = None,
     ) -> None:
-        """Store chunks (``parents``: each one's previous chunk key, for prefix-aware
+        """Store chunks (each meta's ``parent`` and ``position`` feed prefix-aware
         policies). Returns once the bytes are copied out of the caller's buffers (the
         caller may reuse them); lower tiers may complete later."""
         ...
@@ -129,7 +128,6 @@ class SlotStore(ChunkStore, Protocol):
         self,
         res: SlotReservation,
         metas: Sequence[ChunkMeta],
-        parents: Sequence[str | None] | None = None,
         *,
         wait: bool = False,
     ) -> None:
@@ -181,7 +179,6 @@ class MemoryChunkStore:
         items: Sequence[tuple[ChunkMeta, PayloadLike]],
         *,
         wait: bool = False,
-        parents: Sequence[str | None] | None = None,
     ) -> None:
         for meta, payload in items:
             self._data[meta.key] = self._codec.encode(meta, payload)
@@ -228,7 +225,6 @@ class MemoryChunkStore:
         self,
         res: SlotReservation,
         metas: Sequence[ChunkMeta],
-        parents: Sequence[str | None] | None = None,
         *,
         wait: bool = False,
     ) -> None:

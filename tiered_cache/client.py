@@ -56,6 +56,11 @@ _TOUCH_AGE_S = 0.25  # ... or this long after the first unreported one
 _TOUCH_SEND_S = 1.0  # a touch the agent does not take in this long breaks the connection
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
+def _commit_item(meta: ChunkMeta, slot: int, size: int) -> list[Any]:
+    """One ``Commit`` item: the prefix information rides in the chunk's own header."""
+    return [meta.key, slot, size, meta.parent or None, meta.position]
+
+
 class AgentClient:
     """``SlotStore`` backed by a node agent. Thread-safe (one request at a time)."""
 
@@ -82,7 +87,8 @@ class AgentClient:
         self._connect()
 
     def _connect(self) -> None:
-        from tiered_cache.tiers.dram import attach_shm, maybe_pin_host_memory, prefault
+        from tiered_cache.cuda_host import maybe_pin_host_memory
+        from tiered_cache.tiers.dram import attach_shm, prefault
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
@@ -412,18 +418,12 @@ class AgentClient:
         items: Sequence[tuple[ChunkMeta, PayloadLike]],
         *,
         wait: bool = False,
-        parents: Sequence[str | None] | None = None,
     ) -> None:
         if not items:
             return
-        self._retry(lambda: self._put_many(items, wait, parents))
+        self._retry(lambda: self._put_many(items, wait))
 
-    def _put_many(
-        self,
-        items: Sequence[tuple[ChunkMeta, PayloadLike]],
-        wait: bool,
-        parents: Sequence[str | None] | None,
-    ) -> None:
+    def _put_many(self, items: Sequence[tuple[ChunkMeta, PayloadLike]], wait: bool) -> None:
         payloads = [memoryview(p).cast("B") for _, p in items]
         sizes = [codec.HEADER_SIZE + p.nbytes for p in payloads]
         slots: list[int | None] = [None] * len(items)
@@ -446,7 +446,6 @@ class AgentClient:
             for i, ((meta, _), payload, slot) in enumerate(
                 zip(items, payloads, slots, strict=True)
             ):
-                parent = parents[i] if parents else None
                 if slot is None:  # no room in DRAM (or too large): inline copy to the agent
                     self._call(Put(meta.key, bytes(codec.encode(meta, payload)), wait))
                     continue
@@ -460,7 +459,7 @@ class AgentClient:
                 dst[: codec.HEADER_SIZE] = codec.pack_header(
                     meta, payload, payload_checksum=fut.result()
                 )
-                commits.append([meta.key, slot, sizes[i], parent, i])
+                commits.append(_commit_item(meta, slot, sizes[i]))
         except BaseException:
             self._call(Abort([s for s in slots if s is not None]))
             raise
@@ -492,7 +491,6 @@ class AgentClient:
         self,
         res: SlotReservation,
         metas: Sequence[ChunkMeta],
-        parents: Sequence[str | None] | None = None,
         *,
         wait: bool = False,
     ) -> None:
@@ -506,7 +504,7 @@ class AgentClient:
             assert slot is not None
             head = self._slot(slot, codec.HEADER_SIZE)
             head[:] = codec.pack_header(meta, view, payload_checksum=sums[i])
-            commits.append([meta.key, slot, res.sizes[i], parents[i] if parents else None, i])
+            commits.append(_commit_item(meta, slot, res.sizes[i]))
         self._call(Commit(commits, wait))
 
     def abort_reservation(self, res: SlotReservation) -> None:

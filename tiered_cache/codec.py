@@ -5,7 +5,13 @@ Header (little endian)::
     magic "TKVC" | version u16 | header_len u16 | flags u32
     fingerprint 16s | key 16s | num_tokens u32 | block_size u32
     dtype 16s | kv_layout 8s | ndim u8 | pad 7 | shape 8*u64
-    payload_len u64 | payload_xxh3 u64 | ... zero pad ... | header_xxh32 u32 (last 4 bytes)
+    payload_len u64 | payload_xxh3 u64 | parent 16s | position u32
+    ... zero pad ... | header_xxh32 u32 (last 4 bytes)
+
+``parent`` (the previous chunk's key in the prompt, zeros for none) and ``position`` (the
+chunk's index in the prompt) are what prefix-aware eviction needs; an agent that finds
+chunks left by a previous run reads them here. They sit in what version 1 left as zero
+padding, so older chunks read as "no parent, position 0".
 
 The payload checksum is xxh3-64 (tens of GB/s); the header has its own checksum so a
 flipped bit in the shape or length is caught before the payload is trusted. Decoding
@@ -25,7 +31,9 @@ HEADER_SIZE = 256
 MAX_DIMS = 8
 
 _FIXED = struct.Struct("<4sHHI16s16sII16s8sB7x8QQQ")
-assert _FIXED.size + 4 <= HEADER_SIZE
+_PREFIX = struct.Struct("<16sI")  # parent key, position
+_NO_PARENT = b"\0" * 16
+assert _FIXED.size + _PREFIX.size + 4 <= HEADER_SIZE
 _HCRC = struct.Struct("<I")
 
 
@@ -50,6 +58,8 @@ class ChunkMeta:
     shape: tuple[int, ...] = field(default_factory=tuple)
     kv_layout: str = ""
     block_size: int = 0
+    parent: str = ""  # previous chunk's key in the prompt ("" for the first chunk)
+    position: int = 0  # chunk index in the prompt
 
 
 def _fit(s: str, n: int, what: str) -> bytes:
@@ -72,6 +82,8 @@ def pack_header(
         raise ValueError(f"at most {MAX_DIMS} dims, got {len(meta.shape)}")
     if len(meta.fingerprint) != 16:
         raise ValueError("fingerprint must be 16 bytes")
+    if meta.parent and len(meta.parent) != 32:
+        raise ValueError(f"parent must be a 32-hex-digit key, got {meta.parent!r}")
     shape = list(meta.shape) + [0] * (MAX_DIMS - len(meta.shape))
     payload_len = memoryview(payload).nbytes
     fixed = _FIXED.pack(
@@ -89,7 +101,7 @@ def pack_header(
         *shape,
         payload_len,
         checksum(payload) if payload_checksum is None else payload_checksum,
-    )
+    ) + _PREFIX.pack(bytes.fromhex(meta.parent) if meta.parent else _NO_PARENT, meta.position)
     body = fixed + b"\0" * (HEADER_SIZE - 4 - len(fixed))
     return body + _HCRC.pack(xxhash.xxh32_intdigest(body))
 
@@ -118,6 +130,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, int, i
     _, version, hlen, _flags, fp, key, ntok, bsz, dtype, layout, ndim = f[:11]
     shape = f[11 : 11 + MAX_DIMS]
     payload_len, checksum = f[11 + MAX_DIMS], f[12 + MAX_DIMS]
+    parent, position = _PREFIX.unpack_from(body, _FIXED.size)
     if version != VERSION or hlen != HEADER_SIZE:
         raise ChunkCorrupt(f"unsupported chunk version {version} (header {hlen})")
     if ndim > MAX_DIMS:
@@ -130,6 +143,8 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, int, i
         shape=tuple(shape[:ndim]),
         kv_layout=layout.rstrip(b"\0").decode(),
         block_size=bsz,
+        parent="" if parent == _NO_PARENT else parent.hex(),
+        position=position,
     )
     return meta, payload_len, checksum
 

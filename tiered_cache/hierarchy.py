@@ -27,6 +27,7 @@ from tiered_cache.api import NODE_TIERS
 from tiered_cache.codec import ChunkMeta
 from tiered_cache.directory import Directory, Pin
 from tiered_cache.estimates import SourceEstimator, kind_of
+from tiered_cache.events import MetricsEvents, StoreEvents
 from tiered_cache.metrics import Metrics
 from tiered_cache.tiers.base import SlotTier, Tier, TierError, TierFull
 
@@ -45,6 +46,17 @@ MISSED_S = 10.0  # how long a remote copy a fetch could not find is not offered 
 
 class PinRefused(ValueError):
     """A pin does not fit the pin budget of one of its tiers."""
+
+
+def header_info(data: bytes | bytearray | memoryview) -> EntryInfo | None:
+    """The prefix information an encoded chunk's header carries, if any."""
+    try:
+        meta, _, _ = codec.parse_header(memoryview(data)[: codec.HEADER_SIZE])
+    except (codec.ChunkError, ValueError):
+        return None  # the write path rejects it with the reason
+    if not meta.parent and not meta.position:
+        return None
+    return EntryInfo(meta.parent or None, meta.position)
 
 
 @dataclass
@@ -82,6 +94,7 @@ class TieredStore:
         node_id: str = "local",
         directory: Directory | None = None,
         metrics: Metrics | None = None,
+        events: StoreEvents | None = None,
         location_ttl_s: float = 3600.0,
         verify_dram_reads: bool = False,
         peer_fetch: PeerFetch | None = None,
@@ -100,7 +113,10 @@ class TieredStore:
         }
         self.node_id = node_id
         self.directory = directory
+        # What happened goes to ``events``; by default that is the Prometheus series of
+        # ``metrics`` (the trace simulator passes a plain StoreEvents: no bookkeeping).
         self.metrics = metrics or Metrics()
+        self.events = events if events is not None else MetricsEvents(self.metrics)
         self.location_ttl_s = location_ttl_s
         # DRAM contents were verified on the way in and live in trusted memory; re-hashing
         # them on every read would cost as much as the copy itself.
@@ -126,11 +142,14 @@ class TieredStore:
         self._adopt()
 
     def _adopt(self) -> None:
-        """Track what tiers already hold (after a restart) in their eviction policies."""
+        """Track what tiers already hold (after a restart) in their eviction policies,
+        with the prefix information their chunk headers carry."""
         for s in self.slots:
+            for key, (parent, position) in s.tier.take_recovered().items():
+                self._info.setdefault(key, EntryInfo(parent or None, position))
             for key, size in s.tier.entries():
                 if key not in s.eviction and not self._is_pinned(s.name, key):
-                    s.eviction.on_insert(key, size)
+                    s.eviction.on_insert(key, size, self._info.get(key))
 
     async def open(self) -> None:
         """Finish async tier set-up (e.g. S3 budget listing), then adopt their contents."""
@@ -194,9 +213,10 @@ class TieredStore:
                     if raw is not None:
                         await self._write_tier(below, key, raw, demotion=True)
         if await slot.tier.delete(key):
-            self.metrics.evictions.labels(slot.name, reason).inc()
+            self.events.evicted(slot.name, reason)
             if self.directory is not None:
                 await self._unpublish(slot.name, [key])
+        self._forget_info(key)
 
     async def _write_tier(
         self,
@@ -214,11 +234,11 @@ class TieredStore:
         name = slot.name
         why = why if why is not None else []
         if not force and key not in self._pinned[name] and not slot.admission.admit(key, n):
-            self.metrics.admission_rejects.labels(name).inc()
+            self.events.refused(name)
             why.append("refused")
             return False
         if not slot.tier.fits(n):
-            self.metrics.write_errors.labels(name, "too_large").inc()
+            self.events.write_failed(name, "too_large")
             why.append("too_large")
             return False
         t0 = time.perf_counter()
@@ -232,19 +252,18 @@ class TieredStore:
                 await self._make_room(slot, n)
                 await slot.tier.put(key, data)
             except TierFull as e:
-                self.metrics.write_errors.labels(slot.name, "full").inc()
+                self.events.write_failed(slot.name, "full")
                 log.warning("%s refused %s: %s", slot.name, key, e)
                 why.append("full")
                 return False
             except TierError as e:
-                self.metrics.write_errors.labels(slot.name, "io").inc()
+                self.events.write_failed(slot.name, "io")
                 log.warning("%s write of %s failed: %s", slot.name, key, e)
                 why.append("io")
                 return False
             slot.eviction.on_remove(key)  # a replaced key is re-tracked once
             self._track(slot, key, n)
-        self.metrics.store_seconds.labels(name).observe(time.perf_counter() - t0)
-        self.metrics.bytes_written.labels(name).inc(n)
+        self.events.stored(name, n, time.perf_counter() - t0)
         if self.directory is not None:
             await self._publish(name, [key])
         return True
@@ -260,7 +279,10 @@ class TieredStore:
         wait: bool = False,
     ) -> bool:
         """Store an encoded chunk. Returns once the top tier that admitted it holds it;
-        with ``wait`` also after write-through copies land (durability)."""
+        with ``wait`` also after write-through copies land (durability). ``info``
+        defaults to the prefix information in the chunk's header."""
+        if info is None:
+            info = header_info(data)
         if info is not None:
             self._info[key] = info
         top = self.slots[0]
@@ -307,7 +329,7 @@ class TieredStore:
         """A put no tier took: counted, and logged once per reason (never silent). The
         reason is the most telling of the tiers' refusals."""
         reason = next((r for r in ("io", "full", "too_large", "refused") if r in why), "refused")
-        self.metrics.chunks_dropped.labels(reason).inc()
+        self.events.dropped(reason)
         if reason not in self._dropped_logged:
             self._dropped_logged.add(reason)
             caps = ", ".join(
@@ -335,8 +357,14 @@ class TieredStore:
                 slot.eviction.on_remove(key)
                 removed = await slot.tier.delete(key)
             if removed:
-                self.metrics.evictions.labels(slot.name, "delete").inc()
+                self.events.evicted(slot.name, "delete")
                 await self._unpublish(slot.name, [key])
+        self._forget_info(key)
+
+    def _forget_info(self, key: str) -> None:
+        """Drop ``key``'s prefix information once no tier here holds it (bounded memory)."""
+        if key in self._info and all(s.tier.size_of(key) is None for s in self.slots):
+            del self._info[key]
 
     # ---------------------------------------------------------------- read path
 
@@ -350,7 +378,7 @@ class TieredStore:
             if lab is None:
                 break
             out.append(lab)
-            self.metrics.lookups.labels(lab).inc()
+            self.events.looked_up(lab)
         return out
 
     async def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float] | None]:
@@ -502,7 +530,7 @@ class TieredStore:
             hit = await self._read_verified(slot.tier, key, expect_fp)
             if hit is not None:
                 return self._on_hit(slot, key, hit, promote)
-        self.metrics.misses.labels("all").inc()
+        self.events.miss()
         return None
 
     async def _plan(self, key: str) -> list[str]:
@@ -540,8 +568,7 @@ class TieredStore:
         self.estimates.observe(source, nbytes, seconds)
         self._typical_bytes = nbytes
         est = self.estimates.estimate(source)
-        self.metrics.source_latency.labels(source).set(est.latency_s)
-        self.metrics.source_bandwidth.labels(source).set(est.bandwidth_bps)
+        self.events.estimate(source, est.latency_s, est.bandwidth_bps)
 
     def _best_peer_s(self, size: int) -> float:
         known = [s for s in self.estimates.snapshot() if kind_of(s) == "peer"]
@@ -562,7 +589,7 @@ class TieredStore:
         try:
             raw = await tier.get(key)
         except TierError as e:
-            self.metrics.read_errors.labels(name).inc()
+            self.events.read_failed(name)
             log.warning("%s read of %s failed: %s", name, key, e)
             return None
         if raw is None:
@@ -576,20 +603,17 @@ class TieredStore:
             )
         except codec.ChunkMismatch as e:
             log.warning("%s chunk %s unusable here: %s", name, key, e)
-            self.metrics.verification_failures.labels(name).inc()
+            self.events.verify_failed(name)
             return None
         except codec.ChunkError as e:
             log.warning("%s chunk %s failed verification (%s): removed", name, key, e)
-            self.metrics.verification_failures.labels(name).inc()
+            self.events.verify_failed(name)
             await self.delete(key, tiers=[name])
             return None
         n = len(raw)
         dt = time.perf_counter() - t0
         self._observe(source or name, n, dt)
-        self.metrics.hits.labels(source or name).inc()
-        self.metrics.hit_tokens.labels(source or name).inc(meta.num_tokens)
-        self.metrics.bytes_read.labels(source or name).inc(n)
-        self.metrics.load_seconds.labels(source or name).observe(dt)
+        self.events.hit(source or name, meta.num_tokens, n, dt)
         return Hit(meta, payload, source or name, raw)
 
     async def _get_from_peer(self, key: str, expect_fp: bytes | None) -> Hit | None:
@@ -623,14 +647,11 @@ class TieredStore:
             meta, payload = codec.decode(raw, expect_key=key, expect_fingerprint=expect_fp)
         except codec.ChunkError as e:
             log.warning("peer %s sent a bad chunk %s: %s", node, key, e)
-            self.metrics.verification_failures.labels("peer").inc()
+            self.events.verify_failed("peer")
             return None
         self._observe(f"peer:{node}", len(raw), dt)
-        self.metrics.hits.labels("peer").inc()
-        self.metrics.hit_tokens.labels("peer").inc(meta.num_tokens)
-        self.metrics.bytes_read.labels("peer").inc(len(raw))
-        self.metrics.load_seconds.labels("peer").observe(dt)
-        self.metrics.peer_transfers.labels("in").inc()
+        self.events.hit("peer", meta.num_tokens, len(raw), dt)
+        self.events.peer_transfer("in")
         return Hit(meta, payload, "peer", raw)
 
     async def _promote(self, key: str, hit: Hit) -> None:
@@ -660,7 +681,7 @@ class TieredStore:
                 await self._make_room(top, nbytes)
                 return tier.reserve(nbytes)
             except TierFull:
-                self.metrics.write_errors.labels(top.name, "full").inc()
+                self.events.write_failed(top.name, "full")
                 return None
 
     def abort_dram(self, slot: int) -> None:
@@ -688,7 +709,7 @@ class TieredStore:
             tier.commit(key, slot, length)
             top.eviction.on_remove(key)
             self._track(top, key, length)
-        self.metrics.bytes_written.labels(top.name).inc(length)
+        self.events.stored(top.name, length)
         await self._publish(top.name, [key])
         through = [
             s
@@ -745,9 +766,7 @@ class TieredStore:
 
     def _count_dram_hit(self, top: TierSlot, key: str, nbytes: int, tokens: int) -> None:
         top.eviction.on_access(key)
-        self.metrics.hits.labels("dram").inc()
-        self.metrics.bytes_read.labels("dram").inc(nbytes)
-        self.metrics.hit_tokens.labels("dram").inc(tokens)
+        self.events.hit("dram", tokens, nbytes)
 
     def note_dram_hits(self, hits: Sequence[Sequence[Any]]) -> None:
         """Account for ``(key, bytes, tokens)`` a client read straight from the pool through
@@ -778,24 +797,22 @@ class TieredStore:
         except codec.ChunkMismatch as e:
             dram.abort(s)
             log.warning("nvme chunk %s unusable here: %s", key, e)
-            self.metrics.verification_failures.labels("nvme").inc()
+            self.events.verify_failed("nvme")
             return None
         except (codec.ChunkError, TierError, ValueError) as e:
             dram.abort(s)
             if isinstance(e, codec.ChunkError):
                 log.warning("nvme chunk %s failed verification (%s): removed", key, e)
-                self.metrics.verification_failures.labels("nvme").inc()
+                self.events.verify_failed("nvme")
                 await self.delete(key, tiers=["nvme"])
             return None
         slot.eviction.on_access(key)
         slot.admission.on_access(key)
         self._observe("nvme", n, time.perf_counter() - t0)
-        self.metrics.hits.labels("nvme").inc()
-        self.metrics.bytes_read.labels("nvme").inc(n)
+        tokens = 0
         with contextlib.suppress(codec.ChunkError):
-            head = dram.slot_view(s)[: codec.HEADER_SIZE]
-            self.metrics.hit_tokens.labels("nvme").inc(codec.parse_header(head)[0].num_tokens)
-        self.metrics.load_seconds.labels("nvme").observe(time.perf_counter() - t0)
+            tokens = codec.parse_header(dram.slot_view(s)[: codec.HEADER_SIZE])[0].num_tokens
+        self.events.hit("nvme", tokens, n, time.perf_counter() - t0)
         async with self._locks[top.name]:
             if dram.size_of(key) is None:
                 dram.commit(key, s, n)
@@ -862,7 +879,7 @@ class TieredStore:
                 size = slot.tier.size_of(k)
                 if size is not None:
                     slot.eviction.on_insert(k, size, self._info.get(k))
-            self.metrics.pinned_bytes.labels(slot.name).set(self.pinned_bytes(slot.name))
+            self.events.pinned(slot.name, self.pinned_bytes(slot.name))
 
     def pinned_keys(self, tier: str) -> set[str]:
         return set(self._pinned[tier])
@@ -879,9 +896,7 @@ class TieredStore:
                 "chunks": u.num_chunks,
                 "pinned_bytes": self.pinned_bytes(s.name),
             }
-            self.metrics.used_bytes.labels(s.name).set(u.used_bytes)
-            if u.capacity_bytes is not None:
-                self.metrics.capacity_bytes.labels(s.name).set(u.capacity_bytes)
+            self.events.usage(s.name, u.used_bytes, u.capacity_bytes)
         return out
 
     async def republish(self) -> None:

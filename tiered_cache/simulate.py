@@ -8,8 +8,8 @@ the production policy classes (``policies``); only payload I/O is stubbed out:
   whatever the stub's length. Capacity, room checks, usage and bytes written are therefore
   in trace blocks of ``block_bytes`` each, while the store's code path (admission, make
   room, eviction, write-back demotion, verification, promotion) runs unchanged.
-- Metrics are a no-op stand-in (``NullMetrics``): Prometheus bookkeeping would dominate the
-  replay time and the simulator counts what it reports itself.
+- The store reports to a plain ``StoreEvents`` (no-ops): Prometheus bookkeeping would
+  dominate the replay time and the simulator counts what it reports itself.
 
 Per request (one JSON record: ``hash_ids`` = one id per 512-token block, equal ids = equal
 prefix), exactly what the vLLM connector does:
@@ -66,8 +66,8 @@ from policies.belady import belady_hits
 from tiered_cache import codec
 from tiered_cache.api import TIERS
 from tiered_cache.config import parse_size
+from tiered_cache.events import StoreEvents
 from tiered_cache.hierarchy import TieredStore, TierSlot
-from tiered_cache.metrics import Metrics
 from tiered_cache.tiers.base import Tier, TierUsage
 
 BLOCK_TOKENS = 512
@@ -85,61 +85,6 @@ class SimError(ValueError):
 
 
 # ----------------------------------------------------------------------------- stubs
-
-
-class _Null:
-    """Accepts every Prometheus metric call and does nothing."""
-
-    def labels(self, *a: Any, **kw: Any) -> _Null:
-        return self
-
-    def inc(self, *a: Any, **kw: Any) -> None:
-        pass
-
-    def observe(self, *a: Any, **kw: Any) -> None:
-        pass
-
-    def set(self, *a: Any, **kw: Any) -> None:
-        pass
-
-
-class NullMetrics(Metrics):
-    """``Metrics`` whose every counter, gauge and histogram is a no-op."""
-
-    def __init__(self) -> None:  # no registry, no collectors
-        null = _Null()
-        for name in [
-            "lookups",
-            "hits",
-            "misses",
-            "hit_tokens",
-            "bytes_read",
-            "bytes_written",
-            "load_seconds",
-            "store_seconds",
-            "evictions",
-            "admission_rejects",
-            "write_errors",
-            "read_errors",
-            "verification_failures",
-            "pinned_bytes",
-            "used_bytes",
-            "capacity_bytes",
-            "directory_errors",
-            "directory_dropped_updates",
-            "recompute_fallbacks",
-            "peer_transfers",
-            "s3_retries",
-        ]:
-            setattr(self, name, null)
-
-    def __getattr__(self, name: str) -> _Null:
-        # Metrics added to ``Metrics`` later are no-ops too, instead of breaking the replay.
-        if name.startswith("__"):
-            raise AttributeError(name)
-        null = _Null()
-        setattr(self, name, null)
-        return null
 
 
 class SimTier(Tier):
@@ -438,7 +383,7 @@ def build_store(
                 write_mode="write_back",
             )
         )
-    return TieredStore(slots, metrics=NullMetrics())
+    return TieredStore(slots, events=StoreEvents())
 
 
 async def _replay(

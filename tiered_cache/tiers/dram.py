@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 from tiered_cache import codec
+from tiered_cache.cuda_host import maybe_pin_host_memory
 from tiered_cache.keys import is_valid_key
 from tiered_cache.tiers.base import SlotTier, TierFull, TierUsage
 from tiered_cache.tiers.shm_index import SlotIndex
@@ -75,23 +76,6 @@ def prefault(buf: memoryview, *, write: bool) -> None:
         arr.fill(0)
     else:
         int(arr[::4096].sum())
-
-
-def maybe_pin_host_memory(buf: memoryview) -> bool:
-    """Page-lock the pool for fast H2D/D2H DMA when CUDA is present; no-op otherwise."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        import ctypes
-
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        rc = torch.cuda.cudart().cudaHostRegister(addr, buf.nbytes, 0)
-        return int(rc) == 0
-    except Exception as e:  # pinning is an optimisation, never a failure
-        log.debug("cudaHostRegister unavailable: %s", e)
-        return False
 
 
 @dataclass
@@ -178,6 +162,7 @@ class DRAMTier(SlotTier):
         self._runs: dict[int, _Run] = {}  # first slot -> run (committed, reserved, zombie)
         self._index: dict[str, int] = {}
         self._leased: set[int] = set()  # slots of runs with leases > 0
+        self._recovered: dict[str, tuple[str, int]] = {}
         self._free = _Extents()
         self._used_bytes = 0
         # Published copy of the index, read by clients without asking the agent. Made
@@ -251,6 +236,8 @@ class DRAMTier(SlotTier):
             pages = self._pages(length)
             self._runs[i] = _Run(pages, meta.key, length)
             self._index[meta.key] = i
+            if meta.parent or meta.position:
+                self._recovered[meta.key] = (meta.parent, meta.position)
             self._used_bytes += length
             self.shared_index.publish(meta.key, i, length)
             i += pages
@@ -311,6 +298,10 @@ class DRAMTier(SlotTier):
         run.leases += 1
         self._leased.add(slot)
         return slot, run.length
+
+    def take_recovered(self) -> dict[str, tuple[str, int]]:
+        got, self._recovered = self._recovered, {}
+        return got
 
     def leased(self) -> Set[str]:
         runs = self._runs

@@ -145,6 +145,7 @@ class NVMeTier(Tier):
         self._mu = threading.Lock()  # guards _index, _used, _reserved
         self._stripes = [threading.Lock() for _ in range(_NSTRIPES)]
         self._index: dict[str, int] = {}
+        self._recovered: dict[str, tuple[str, int]] = {}
         self._used = 0
         self._reserved = 0  # bytes promised to puts in flight, so concurrent puts can't overbook
         self._closed = False
@@ -236,15 +237,18 @@ class NVMeTier(Tier):
         # Header reads are latency-bound: overlap them on the I/O pool.
         results = list(self._pool.map(self._check_file, candidates))
         discarded = 0
-        for (fpath, _, fname), size in zip(candidates, results, strict=True):
-            if size is None:
+        for (fpath, _, fname), got in zip(candidates, results, strict=True):
+            if got is None:
                 discarded += 1
                 if self._metrics is not None:
                     self._metrics.verification_failures.labels(tier=self.name).inc()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(fpath)
                 continue
-            self._index[fname[: -len(SUFFIX)]] = size
+            key, (size, parent, position) = fname[: -len(SUFFIX)], got
+            self._index[key] = size
+            if parent or position:
+                self._recovered[key] = (parent, position)
         self._used = sum(self._index.values())
         report = ScanReport(len(self._index), self._used, discarded, self._tmp_removed)
         log.info("NVMe tier %s opened: %s", self.root, report)
@@ -257,8 +261,9 @@ class NVMeTier(Tier):
             )
         return report
 
-    def _check_file(self, item: tuple[str, str, str]) -> int | None:
-        """Size of a well-formed chunk file, or None (with the reason logged)."""
+    def _check_file(self, item: tuple[str, str, str]) -> tuple[int, str, int] | None:
+        """(size, parent, position) of a well-formed chunk file, or None (with the reason
+        logged)."""
         fpath, dname, fname = item
         key = fname[: -len(SUFFIX)]
         try:
@@ -274,7 +279,7 @@ class NVMeTier(Tier):
                 raise codec.ChunkCorrupt(
                     f"size {size} != header {codec.HEADER_SIZE} + payload {payload_len}"
                 )
-            return size
+            return size, meta.parent, meta.position
         except (OSError, ValueError, codec.ChunkError) as e:  # ValueError: undecodable text
             log.warning("discarding NVMe chunk %s: %s", fpath, e)
             return None
@@ -326,6 +331,10 @@ class NVMeTier(Tier):
     def usage(self) -> TierUsage:
         with self._mu:
             return TierUsage(self._used, self.capacity_bytes, len(self._index))
+
+    def take_recovered(self) -> dict[str, tuple[str, int]]:
+        got, self._recovered = self._recovered, {}
+        return got
 
     def entries(self) -> Iterator[tuple[str, int]]:
         with self._mu:
