@@ -39,7 +39,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiered_cache.vllm_launch import (
+from tiered_cache.tools.vllm_launch import (
     REPO,
     VllmServer,
     free_port,
@@ -212,7 +212,7 @@ def start_lmcache(
     try:
         import lmcache  # noqa: F401
 
-        from tiered_cache.lmcache_launch import LMCacheServer, tiered_l2_adapter
+        from tiered_cache.tools.lmcache_launch import LMCacheServer, tiered_l2_adapter
     except ImportError:
         return None
     out: dict[str, Any] = {}

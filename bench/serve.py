@@ -60,7 +60,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiered_cache.vllm_launch import (
+from tiered_cache.tools.vllm_launch import (
     REPO,
     VllmServer,
     free_port,
@@ -268,7 +268,7 @@ class Bench:
             d = Deployment(name, [pre, dec], f"http://127.0.0.1:{port}", agent_proc=proc)
             d.router = (port, cfg)  # started once the servers are up
         elif name == "lmcache":
-            from tiered_cache.lmcache_launch import LMCacheServer
+            from tiered_cache.tools.lmcache_launch import LMCacheServer
 
             lm = LMCacheServer(
                 self.work / "lmcache-server.log",

@@ -479,3 +479,19 @@ def load_lmcache_config(path: str | os.PathLike[str]) -> CacheConfig:
         raise ConfigError(f"{p}: top level must be a mapping")
     m = _Mapper(p, raw)
     return m.build()
+
+
+class _LMCacheFormat:
+    """LMCache's YAML as a config format ``tiered_cache.config.load_config`` reads (the
+    ``tiered_cache.config_formats`` entry point)."""
+
+    name = "lmcache"
+
+    def detect(self, data: Mapping[str, Any], where: str) -> bool:
+        return is_lmcache_config(data, where)
+
+    def load(self, path: Path) -> CacheConfig:
+        return load_lmcache_config(path)
+
+
+FORMAT = _LMCacheFormat()

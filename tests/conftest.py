@@ -216,3 +216,16 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    """A node agent process on ``helpers_agent.write_cfg``'s defaults: (config, process)."""
+    from helpers_agent import start_agent, write_cfg
+
+    cfg = write_cfg(tmp_path)
+    proc = start_agent(cfg)
+    yield cfg, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -4,74 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from helpers_agent import FP, cli, meta, payload, start_agent, write_cfg
 
-from tiered_cache import codec
-from tiered_cache.agent import spawn_agent
 from tiered_cache.client import AgentClient, open_store, shutdown_embedded
-from tiered_cache.keys import ModelFingerprint, chunk_keys
-
-FP = ModelFingerprint("agent-test", chunk_size=32, block_size=16)
-N = 64 * 1024  # payload bytes per chunk
-
-
-def meta(k: str) -> codec.ChunkMeta:
-    return codec.ChunkMeta(
-        key=k,
-        fingerprint=FP.digest,
-        num_tokens=32,
-        dtype="uint8",
-        shape=(N,),
-        kv_layout="LBHNC",
-        block_size=16,
-    )
-
-
-def payload(i: int) -> bytes:
-    return np.random.default_rng(i).integers(0, 255, N, dtype=np.uint8).tobytes()
-
-
-def write_cfg(tmp: Path, **over: object) -> Path:
-    cfg = {
-        "node_id": f"t-{uuid.uuid4().hex[:8]}",
-        "dram": {"capacity": "2MiB", "slot_bytes": "128KiB"},
-        "nvme": {
-            "enabled": True,
-            "path": str(tmp / "nvme"),
-            "capacity": "64MiB",
-            "write_mode": "write_back",
-        },
-        "agent": {"socket": str(tmp / "agent.sock"), "usage_log_interval_s": 1},
-    }
-    cfg.update(over)  # type: ignore[arg-type]
-    p = tmp / "cfg.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-def start_agent(cfg: Path) -> subprocess.Popen[str]:
-    return spawn_agent(cfg, timeout=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
-    cfg = write_cfg(tmp_path)
-    proc = start_agent(cfg)
-    yield cfg, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+from tiered_cache.keys import chunk_keys
 
 
 def test_put_get_through_shared_memory(agent: tuple[Path, subprocess.Popen[str]]) -> None:
@@ -99,9 +45,17 @@ def test_dead_client_releases_its_slots(agent: tuple[Path, subprocess.Popen[str]
     reserved = c.admin("reserve", sizes=[1000] * 16)["slots"]
     assert all(s is not None for s in reserved)
     c.close()  # dies without commit
-    time.sleep(0.2)
     c2 = AgentClient(sock)
-    assert all(s is not None for s in c2.admin("reserve", sizes=[1000] * 16)["slots"])
+    # The agent frees a dead client's runs when it sees the disconnect: wait for that
+    # state (all 16 reservable again), not for a guessed time.
+    deadline = time.monotonic() + 10
+    while True:
+        got = c2.admin("reserve", sizes=[1000] * 16)["slots"]
+        if all(s is not None for s in got):
+            break
+        c2.admin("abort", slots=[s for s in got if s is not None])
+        assert time.monotonic() < deadline, "a dead client's reserved runs were never freed"
+        time.sleep(0.01)
     c2.close()
 
 
@@ -209,16 +163,6 @@ def test_open_store_starts_embedded_agent(tmp_path: Path) -> None:
         s2.close()
     finally:
         shutdown_embedded()
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tiered_cache.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def test_cli_pins_through_agent(agent: tuple[Path, subprocess.Popen[str]]) -> None:

@@ -24,9 +24,10 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 from conftest import free_port
+from helpers_agent import start_agent
+from helpers_agent import write_cfg as agent_cfg
 
 from tiered_cache import codec
-from tiered_cache.agent import spawn_agent
 from tiered_cache.cli import main
 from tiered_cache.client import AgentClient
 from tiered_cache.keys import ModelFingerprint, chunk_keys
@@ -50,21 +51,15 @@ class Agent:
 
 
 def write_cfg(tmp: Path, **over: Any) -> Path:
-    cfg: dict[str, Any] = {
+    """The shared agent config with a token, 32-token chunks and a smaller pool."""
+    base: dict[str, Any] = {
         "node_id": f"adm-{uuid.uuid4().hex[:8]}",
         "chunk_size": CHUNK,
         "dram": {"capacity": "1MiB", "slot_bytes": "64KiB"},
         "nvme": {"enabled": True, "path": str(tmp / "nvme"), "capacity": "16MiB"},
         "agent": {"socket": str(tmp / "agent.sock"), "auth_token": TOKEN},
     }
-    cfg.update(over)
-    p = tmp / "cfg.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-def start_agent(cfg: Path, *args: str) -> subprocess.Popen[str]:
-    return spawn_agent(cfg, *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return agent_cfg(tmp, **{**base, **over})
 
 
 @pytest.fixture(scope="module")

@@ -225,7 +225,7 @@ async def test_model_registrations(make_dir: MakeDir, monkeypatch: pytest.Monkey
     assert {r.node_id for r in got} == {"n2"} and got[0].names() == {"/m/llama", "llama"}
     assert all(time.time() - r.last_seen < 60 for r in got)
     # Not refreshed within MODEL_KEEP_S: a retired deployment, dropped.
-    monkeypatch.setattr("tiered_cache.directory.MODEL_KEEP_S", 0.05)
+    monkeypatch.setattr("tiered_cache.directory.records.MODEL_KEEP_S", 0.05)
     await asyncio.sleep(0.1)
     await a.register_models("n1", [reg])
     assert [r.hex for r in await b.models()] == [reg.hex]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tiered_cache import lmcache_config
+from connectors import lmcache_config
 from tiered_cache.config import CacheConfig, ConfigError, load_config
 
 pytestmark = pytest.mark.lmcache
@@ -24,7 +24,7 @@ pytest.importorskip("lmcache")
 
 GIB = 2**30
 CONFIGS = Path(__file__).parents[1] / "configs"
-LOGGER = "tiered_cache.lmcache_config"
+LOGGER = "connectors.lmcache_config"
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from test_agent import FP, cli, meta, payload, start_agent, write_cfg
+from helpers_agent import FP, Output, cli, meta, payload, start_agent, write_cfg
 
 from tiered_cache.client import AgentClient
 from tiered_cache.keys import chunk_keys
@@ -86,6 +86,7 @@ def test_agent_imports_pin_file_and_honours_it(tmp_path: Path) -> None:
     pins = write_pins(tmp_path / "pins.yaml", pin_doc())
     cfg = write_cfg(tmp_path, agent={"socket": str(tmp_path / "a.sock"), "pin_file": str(pins)})
     proc = start_agent(cfg)
+    output = Output(proc)
     try:
         rows = pin_ls(cfg)
         assert {r["id"]: r["note"] for r in rows} == {
@@ -114,11 +115,11 @@ def test_agent_imports_pin_file_and_honours_it(tmp_path: Path) -> None:
         # A file broken now is one error line; the agent keeps its pins and runs on.
         pins.write_text("pins: [unclosed\n")
         proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
+        output.wait_for("invalid YAML")  # the agent has read the broken file
         assert proc.poll() is None
         assert ids(cfg) == {GIVEN_ID, HAND_ID}
     finally:
-        out = stop(proc)
+        out = output.stop()
     assert proc.returncode == 0, out
     errors = [ln for ln in out.splitlines() if " ERROR " in ln]
     assert len(errors) == 1, out

@@ -29,7 +29,7 @@ from policies import (
     make_eviction,
 )
 from policies.belady import belady_hits, next_uses
-from policies.tracegen import BLOCK_TOKENS, generate_trace
+from tiered_cache.tools.tracegen import BLOCK_TOKENS, generate_trace
 
 ALL = sorted(EVICTION_POLICIES)
 LEAF_ONLY = {"prefix", "cost", "s3prefix"}  # evict only chunks with no resident child

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from helpers_agent import FP, N, meta, payload
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_agent import FP, N, agent, meta, payload  # noqa: F401 (agent is a fixture)
 
 from tiered_cache import codec
 from tiered_cache.client import AgentClient
@@ -146,7 +146,7 @@ async def test_dram_tier_keeps_the_index_in_step() -> None:
 
 
 def test_client_reads_dram_hits_without_the_agent(
-    agent: tuple[Path, subprocess.Popen[str]],  # noqa: F811
+    agent: tuple[Path, subprocess.Popen[str]],
 ) -> None:
     cfg, proc = agent
     sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
@@ -176,7 +176,7 @@ def test_client_reads_dram_hits_without_the_agent(
 
 
 def test_a_read_that_races_a_writer_is_retried_through_the_agent(
-    agent: tuple[Path, subprocess.Popen[str]],  # noqa: F811
+    agent: tuple[Path, subprocess.Popen[str]],
 ) -> None:
     cfg, _ = agent
     sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
@@ -202,7 +202,7 @@ def test_a_read_that_races_a_writer_is_retried_through_the_agent(
 
 
 def test_readers_racing_writers_never_get_torn_or_foreign_bytes(
-    agent: tuple[Path, subprocess.Popen[str]],  # noqa: F811
+    agent: tuple[Path, subprocess.Popen[str]],
 ) -> None:
     """A writer keeps evicting chunks and storing them anew with other bytes, so DRAM slots
     are reused under readers that do not verify payloads: every chunk a reader accepts is

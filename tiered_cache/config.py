@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Mapping
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import yaml
 from pydantic import (
@@ -227,10 +229,32 @@ def format_validation_error(e: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
+FORMATS_GROUP = "tiered_cache.config_formats"
+
+
+class ConfigFormat(Protocol):
+    """Another YAML format an adapter maps onto ``CacheConfig``."""
+
+    name: str
+
+    def detect(self, data: Mapping[str, Any], where: str) -> bool:
+        """Whether ``data`` (a parsed file) is in this format; ConfigError if it mixes."""
+        ...
+
+    def load(self, path: Path) -> CacheConfig: ...
+
+
+def config_formats() -> list[ConfigFormat]:
+    """The formats adapters plug in through the ``tiered_cache.config_formats`` entry
+    point group: the core names no adapter module (LMCache's lives in ``connectors``)."""
+    return [ep.load() for ep in entry_points(group=FORMATS_GROUP)]
+
+
 def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -> CacheConfig:
     """Load from a YAML path or a dict. ``None`` gives the file named by
     ``LMCACHE_CONFIG_FILE`` if set (LMCache's way to name its YAML), else the embedded
-    defaults. An LMCache-format file is mapped by ``tiered_cache.lmcache_config``."""
+    defaults. A file in another format is read by the adapter that claims it
+    (``config_formats``: LMCache's YAML is mapped by ``connectors.lmcache_config``)."""
     if source is None and os.environ.get("LMCACHE_CONFIG_FILE"):
         source = os.environ["LMCACHE_CONFIG_FILE"]
         if not Path(source).is_file():
@@ -252,10 +276,9 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -
             raise ConfigError(f"{p}: invalid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
-        from tiered_cache.lmcache_config import is_lmcache_config, load_lmcache_config
-
-        if is_lmcache_config(data, where):
-            return load_lmcache_config(p)
+        for fmt in config_formats():
+            if fmt.detect(data, where):
+                return fmt.load(p)
         if "tiered_cache" in data and isinstance(data["tiered_cache"], dict):
             data = data["tiered_cache"]
     try:

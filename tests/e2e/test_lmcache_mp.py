@@ -22,7 +22,7 @@ import pytest
 from connectors.lmcache_mp import prefix_pin
 from e2e.test_pd_handoff import assert_same_generation, make_prompt, parse
 from e2e.vllm_harness import VllmServer, free_port, pinned_core
-from tiered_cache.lmcache_launch import LMCacheServer, tiered_l2_adapter
+from tiered_cache.tools.lmcache_launch import LMCacheServer, tiered_l2_adapter
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.e2e]
 

@@ -1,4 +1,4 @@
-"""End-to-end helpers: the vLLM process launcher lives in ``tiered_cache.vllm_launch``
+"""End-to-end helpers: the vLLM process launcher lives in ``tiered_cache.tools.vllm_launch``
 (shared with the demo and the TTFT benchmark); this adds the shared test store."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.vllm_launch import (
+from tiered_cache.tools.vllm_launch import (
     CONNECTOR,
     CONNECTOR_MODULE,
     REPO,

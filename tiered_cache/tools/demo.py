@@ -30,7 +30,7 @@ import httpx
 import yaml
 
 from tiered_cache.api import SOURCES
-from tiered_cache.vllm_launch import (
+from tiered_cache.tools.vllm_launch import (
     REPO,
     VllmServer,
     free_port,

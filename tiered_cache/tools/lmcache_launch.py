@@ -1,6 +1,6 @@
 """Start and stop an LMCache multiprocess-mode server (``lmcache server``) with our L2
 adapter, for the end-to-end tests, the demo and benchmarks. Process handling (own process
-group, SIGTERM then SIGKILL of the group) is ``tiered_cache.vllm_launch``'s.
+group, SIGTERM then SIGKILL of the group) is ``tiered_cache.tools.vllm_launch``'s.
 
 On the CPU backend vLLM's ``LMCacheMPConnector`` uses engine-driven transfers, so the
 server runs with ``--supported-transfer-mode auto`` (the default, lmcache-driven, leaves
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from tiered_cache.vllm_launch import LoggedProcess, free_port, spawn, stop_group
+from tiered_cache.tools.vllm_launch import LoggedProcess, free_port, spawn, stop_group
 
 ADAPTER_MODULE = "connectors.lmcache_mp"
 ADAPTER_CLASS = "TieredCacheL2Adapter"

@@ -17,7 +17,7 @@ Kinds:
   fresh blocks that are never seen again (what scan-resistant policies must absorb).
 
 ``generate_trace(kind, n_requests, seed)`` is deterministic for a given seed. Run
-``python -m policies.tracegen KIND N SEED [OUT]`` to write JSONL.
+``python -m tiered_cache.tools.tracegen KIND N SEED [OUT]`` to write JSONL.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (3, 4):
         print(
-            "usage: python -m policies.tracegen KIND N_REQUESTS SEED [OUT.jsonl]", file=sys.stderr
+            "usage: python -m tiered_cache.tools.tracegen KIND N_REQUESTS SEED [OUT.jsonl]", file=sys.stderr
         )
         return 2
     try:

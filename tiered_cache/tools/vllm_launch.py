@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONNECTOR = "TieredCacheConnector"
 CONNECTOR_MODULE = "connectors.vllm"
 
