@@ -1030,3 +1030,90 @@ def test_a_longer_prompt_loads_the_block_aligned_tail_of_an_earlier_one(
     meta2 = d.step(sched_output([(dreq, blocks, 144, len(longer) - 144)]))
     assert [(s.index, s.num_tokens, s.aligned) for s in meta2.saves] == [(2, 62, False),
                                                                          (2, 48, True)]
+
+
+class RemoteStore(MemoryChunkStore):
+    """What a node's agent answers for chunks a peer holds: found on ``peer``, copied
+    into DRAM by ``prefetch`` once the test lands them (``landed``)."""
+
+    def __init__(self, data: dict[str, bytes]) -> None:
+        super().__init__()
+        self._data = data
+        self.tiers = ["dram"]
+        self.landed = False
+        self.asked: list[str] = []
+
+    def lookup_priced(
+        self, keys: list[str], nbytes: int = 0  # type: ignore[override]
+    ) -> tuple[list[str], list[float]]:
+        found = self.lookup(keys)
+        return ["dram" if self.landed else "peer"] * len(found), [0.002] * len(found)
+
+    def prefetch(self, keys: Any, fingerprint: bytes | None = None) -> int:
+        self.asked += list(keys)
+        return len(keys)
+
+    def in_dram(self, keys: Any) -> list[bool] | None:
+        return [self.landed and k in self._data for k in keys]
+
+
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_a_slow_peer_pull_is_waited_for_only_under_fetch_policy_always(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """Before the engine has measured its prefill rate, ``auto`` waits about a second for
+    chunks being pulled from a peer, then recomputes; ``always`` loads what is found and
+    waits up to ``load_wait_timeout_s`` for it (the 12 MiB peer pulls of the netns e2e
+    test took over a second on a loaded host)."""
+    import connectors.vllm_scheduler as vs
+
+    prefill(vllm_mod, store)
+    remote = RemoteStore(store._data)
+    import tiered_cache.client as client
+
+    monkeypatch.setattr(client, "open_store", lambda extra: remote)
+    clock = FakeClock()
+    monkeypatch.setattr(vs, "time", SimpleNamespace(monotonic=clock, sleep=lambda s: None))
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, lookup_poll_s=0,
+             fetch_policy=policy, load_wait_timeout_s=5)  # fmt: skip
+    req = FakeRequest("d1", PROMPT)
+    d.sched.on_new_request(req)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert remote.asked == d.sched.scheduler._req_keys(PROMPT, None)
+    clock.t += 1.5
+    got = d.sched.get_num_new_matched_tokens(req, 0)
+    if policy == "auto":
+        assert got == (0, False)
+        c = counters(d.sched.get_kv_connector_stats())
+        assert c["recompute_fallbacks"] == {"fetch_deadline": 1}
+        return
+    assert got == (None, False)  # still waiting, within the cap
+    remote.landed = True
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, False)
+
+
+def test_the_scheduler_yields_the_core_while_requests_wait_and_nothing_runs(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's engine loop calls the scheduler again at once while a request waits: a step
+    that scheduled nothing sleeps ``idle_yield_ms`` so the agent landing the chunks gets
+    the core; a step that ran something, or one with nobody waiting, does not."""
+    import connectors.vllm_scheduler as vs
+
+    slept: list[float] = []
+    monkeypatch.setattr(vs.time, "sleep", slept.append)
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, lookup_poll_s=0, idle_yield_ms=3)
+    keys = d.sched.scheduler._req_keys(PROMPT, None)
+    req = FakeRequest("d1", PROMPT, kv_transfer_params=hint(keys))
+    d.sched.on_new_request(req)
+    d.sched.build_connector_meta(sched_output([]))
+    assert slept == []  # nobody waits
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    other = FakeRequest("x", list(range(500, 520)))
+    d.sched.build_connector_meta(sched_output([(other, [1], 0, 20)]))
+    assert slept == []  # the step ran a request
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    d.sched.build_connector_meta(sched_output([]))
+    assert slept == [0.003]
+    d.sched.build_connector_meta(sched_output([]))
+    assert slept == [0.003]  # nobody was told to wait in this step

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
+import struct
 import subprocess
 import sys
 import uuid
@@ -20,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import yaml
 
-from tiered_cache import codec
+from tiered_cache import codec, ipc
 from tiered_cache.agent import spawn_agent
 from tiered_cache.client import AgentClient
 from tiered_cache.directory import RedisDirectory
@@ -177,9 +180,38 @@ def test_decode_node_pulls_every_chunk_from_its_peer(cluster: Cluster) -> None:
         ds = d.admin("stats")["metrics"]
         assert ds["tiered_cache_hits_total{tier=peer}"] == 6
         assert p.admin("stats")["metrics"]["tiered_cache_peer_transfers_total{direction=out}"] == 6
+        # The wire, from another address: a chunk as raw bytes after its reply frame, or
+        # (for a puller from before raw replies) inside it; a chunk it lacks is no bytes.
+        with socket.create_connection((net.addr("prefill"), 7480), timeout=10) as s:
+            chunk = peer_ask(s, keys[0], raw=True)
+            assert chunk is not None and bytes(codec.decode(chunk)[1]) == payload(0)
+            assert peer_ask(s, keys[1], raw=False) == peer_ask(s, keys[1], raw=True)
+            assert peer_ask(s, "f" * 32, raw=True) is None
+            assert peer_ask(s, "f" * 32, raw=False) is None
     finally:
         p.close()
         d.close()
+
+
+def peer_ask(s: socket.socket, key: str, *, raw: bool) -> bytes | None:
+    """One fetch from a peer port, as a blocking client: the chunk's bytes or None."""
+
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            part = s.recv(n - len(buf))
+            assert part, "peer closed the connection"
+            buf += part
+        return buf
+
+    s.sendall(ipc.pack({"op": "fetch", "key": key, **({"raw": True} if raw else {})}))
+    (n,) = struct.unpack("!I", exact(4))
+    head = msgpack.unpackb(exact(n))
+    assert head["ok"]
+    if raw:
+        return None if head["len"] < 0 else exact(head["len"])
+    data = head["data"]
+    return None if data is None else bytes(data)
 
 
 @pytest.mark.parametrize(

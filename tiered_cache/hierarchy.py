@@ -38,7 +38,7 @@ WriteMode = Literal["write_through", "write_back"]
 # the peer lacks it, else (bytes, seconds the transfer itself took). The fetcher times only the
 # request and reply, not its own queueing or connection set-up, which say nothing about the
 # source's speed and would skew the estimates.
-PeerFetch = Callable[[str, str], Awaitable[tuple[bytes, float] | None]]
+PeerFetch = Callable[[str, str], Awaitable[tuple[bytes | bytearray, float] | None]]
 
 
 MISSED_S = 10.0  # how long a remote copy a fetch could not find is not offered again

@@ -1,7 +1,8 @@
 """Length-prefixed msgpack frames over a stream (unix socket locally, TCP between peers).
 
-Control messages are small; bulk chunk bytes travel through shared memory locally and as
-raw ``bytes`` fields (one large frame, no per-element work) between peers.
+Control messages are small; bulk chunk bytes travel through shared memory locally. Between
+peers a chunk follows its reply frame as raw bytes (``{"len": n}`` then ``n`` bytes), read
+straight into one buffer: no msgpack copy of a multi-MiB payload on either side.
 """
 
 from __future__ import annotations
@@ -45,6 +46,32 @@ async def read_msg(reader: asyncio.StreamReader) -> dict[str, Any] | None:
         raise IPCError(f"frame of {n} bytes exceeds limit")
     body = await reader.readexactly(n)
     msg = msgpack.unpackb(body, raw=False)
+    if not isinstance(msg, dict):
+        raise IPCError("frame is not a mapping")
+    return msg
+
+
+async def sock_recv_exact(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int
+) -> bytearray:
+    """``n`` bytes from a non-blocking socket, received in place (no stream buffer)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = await loop.sock_recv_into(sock, view[got:])
+        if r == 0:
+            raise EOFError("connection closed mid-frame")
+        got += r
+    return buf
+
+
+async def sock_read_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, Any]:
+    """One frame from a non-blocking socket (the peer puller's side of ``read_msg``)."""
+    (n,) = _LEN.unpack(await sock_recv_exact(loop, sock, 4))
+    if n > MAX_FRAME:
+        raise IPCError(f"frame of {n} bytes exceeds limit")
+    msg = msgpack.unpackb(await sock_recv_exact(loop, sock, n), raw=False)
     if not isinstance(msg, dict):
         raise IPCError("frame is not a mapping")
     return msg

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections import Counter as CounterT
 from collections.abc import Callable
 from typing import Any
@@ -133,7 +134,7 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         self._pins_version = -1
         self.peer_address: tuple[str, int] | None = None
         # Per peer: idle connections, and a bound on fetches in flight (one per connection).
-        self._peer_idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._peer_idle: dict[str, list[socket.socket]] = {}
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
         self._peer_addrs: dict[str, tuple[str, int]] = {}  # from the directory's heartbeats
         self._counted: dict[str, float] = {}
@@ -153,12 +154,6 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         await self.store.open()
         if self._file_pins is not None:  # before the socket exists: clients see the pins
             await self._import_pins(self._file_pins)
-        path = self.cfg.socket_path
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        srv = await asyncio.start_unix_server(self._serve_local, path=path)
-        os.chmod(path, 0o660)
-        self._servers.append(srv)
         if self.cfg.agent.peer_port is not None:
             psrv = await asyncio.start_server(
                 self._serve_peer,
@@ -177,6 +172,14 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         await self._heartbeat()
         await self._sync_pins()
         await self.store.republish()
+        # The socket last: a client that reaches the agent finds it in the directory, with
+        # the pins and its chunks' locations published.
+        path = self.cfg.socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        srv = await asyncio.start_unix_server(self._serve_local, path=path)
+        os.chmod(path, 0o660)
+        self._servers.append(srv)
         for fn, every in (
             (self._heartbeat, max(1.0, self.cfg.heartbeat_ttl_s / 3)),
             (self._sync_pins, self.cfg.agent.pin_sync_interval_s),
@@ -214,8 +217,8 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         await self.store.flush()
         await self._push_counters()
         for conns in self._peer_idle.values():
-            for _, w in conns:
-                w.close()
+            for sock in conns:
+                sock.close()
         await self.store.close()
         await self.directory.close()
         with contextlib.suppress(FileNotFoundError):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 
 from tiered_cache.agent.state import AgentState
-from tiered_cache.ipc import IPCError, pack, read_msg
+from tiered_cache.ipc import IPCError, pack, read_msg, sock_read_msg, sock_recv_exact
 
 log = logging.getLogger("tiered_cache.agent")
 
@@ -33,47 +34,42 @@ class PeerLink(AgentState):
             self._peer_addrs[node_id] = (str(host), int(port))
         return self._peer_addrs[node_id]
 
-    async def _peer_fetch(self, key: str, node_id: str) -> tuple[bytes, float] | None:
+    async def _peer_fetch(self, key: str, node_id: str) -> tuple[bytearray, float] | None:
         """One chunk from a peer's DRAM/NVMe: (encoded bytes, wire seconds), or None.
 
         Up to ``PEER_CONNECTIONS`` fetches per peer run at once, each on its own pooled
-        connection, so the chunks of one request arrive in parallel."""
+        connection, so the chunks of one request arrive in parallel. The chunk is read
+        off the socket straight into its buffer (a stream reader would copy it thrice)."""
         sem = self._peer_sems.setdefault(node_id, asyncio.Semaphore(PEER_CONNECTIONS))
         idle = self._peer_idle.setdefault(node_id, [])
+        loop = asyncio.get_running_loop()
         async with sem:
             for attempt in (0, 1):
                 addr = await self._peer_address(node_id, refresh=attempt > 0)
                 if addr is None:
                     return None
-                conn = idle.pop() if idle else None
+                sock = idle.pop() if idle else None
                 try:
-                    if conn is None:
-                        conn = await asyncio.wait_for(
-                            asyncio.open_connection(*addr, limit=PEER_STREAM_LIMIT), 2.0
-                        )
-                    r, w = conn
+                    if sock is None:
+                        sock = await asyncio.wait_for(_connect(loop, addr), 2.0)
                     t0 = time.perf_counter()
-                    w.write(pack({"op": "fetch", "key": key}))
-                    await w.drain()
-                    msg = await asyncio.wait_for(read_msg(r), 30.0)
-                    if msg is None:
-                        raise ConnectionError("peer closed")
+                    await loop.sock_sendall(sock, pack({"op": "fetch", "key": key, "raw": True}))
+                    data = await asyncio.wait_for(_read_chunk(loop, sock), 30.0)
                     dt = time.perf_counter() - t0
-                    idle.append(conn)
-                    data = msg.get("data")
-                    return (data, dt) if isinstance(data, bytes) else None
+                    idle.append(sock)
+                    return None if data is None else (data, dt)
                 except (OSError, EOFError, asyncio.TimeoutError, IPCError, ValueError):
                     # EOFError: the peer died mid-reply; ValueError: a garbled frame.
-                    if conn is not None:
-                        conn[1].close()
-                    for _, w in idle:  # same peer, likely just as dead
-                        w.close()
+                    if sock is not None:
+                        sock.close()
+                    for s in idle:  # same peer, likely just as dead
+                        s.close()
                     idle.clear()
                     if attempt:
                         raise
                 except BaseException:  # cancelled mid-reply: the stream is unusable
-                    if conn is not None:
-                        conn[1].close()
+                    if sock is not None:
+                        sock.close()
                     raise
         return None
 
@@ -97,7 +93,12 @@ class PeerLink(AgentState):
                             if data is not None:
                                 self.metrics.peer_transfers.labels("out").inc()
                                 break
-                w.write(pack({"ok": True, "data": data}))
+                if msg.get("raw"):  # the reply frame, then the chunk as it is
+                    w.write(pack({"ok": True, "len": -1 if data is None else len(data)}))
+                    if data is not None:
+                        w.write(data)
+                else:  # a puller from before raw replies
+                    w.write(pack({"ok": True, "data": data}))
                 await w.drain()
         except asyncio.CancelledError:
             pass  # the agent is stopping (see _serve_local)
@@ -107,3 +108,31 @@ class PeerLink(AgentState):
             w.close()
             if me is not None:
                 self._local_tasks.discard(me)
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, addr: tuple[str, int]) -> socket.socket:
+    """A non-blocking TCP connection to a peer (host names resolved off the loop)."""
+    host, port = addr
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    err: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await loop.sock_connect(sock, sockaddr)
+            return sock
+        except OSError as e:
+            sock.close()
+            err = e
+    raise err or OSError(f"no address for {host}:{port}")
+
+
+async def _read_chunk(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytearray | None:
+    """A peer's reply to a raw fetch: the chunk, or None when it does not hold it."""
+    head = await sock_read_msg(loop, sock)
+    n = head.get("len")
+    if isinstance(n, int):
+        return None if n < 0 else await sock_recv_exact(loop, sock, n)
+    data = head.get("data")  # a server from before raw replies
+    return bytearray(data) if isinstance(data, bytes) else None

@@ -6,6 +6,7 @@ through this declaration."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import Counter as CounterT
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ class AgentState:
     _pins_version: int
     _counted: dict[str, float]
     # peers (peers.py): idle connections, a bound on fetches in flight, addresses
-    _peer_idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+    _peer_idle: dict[str, list[socket.socket]]
     _peer_sems: dict[str, asyncio.Semaphore]
     _peer_addrs: dict[str, tuple[str, int]]
 
