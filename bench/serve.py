@@ -706,8 +706,18 @@ def plot(out: dict[str, Any], dest: Path) -> None:
         fig.tight_layout()
         fig.savefig(dest / f"goodput_{w}.png", dpi=110)
         plt.close(fig)
-    (dest / "results.json").write_text(json.dumps(out, indent=1, default=str))
+    # Per-request series (TTFTs, ITLs) are plotted above, not kept: the summary stays small
+    # enough to commit beside the plots.
+    (dest / "results.json").write_text(json.dumps(_compact(out), indent=1, default=str))
     say(f"plots and results in {dest}")
+
+
+def _compact(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _compact(v) for k, v in x.items() if not (isinstance(v, list) and len(v) > 64)}
+    if isinstance(x, list):
+        return [_compact(v) for v in x]
+    return x
 
 
 if __name__ == "__main__":
