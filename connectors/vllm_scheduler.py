@@ -103,8 +103,6 @@ class SchedulerSide(ConnectorBase):
         self._planned: dict[str, set[int]] = {}  # req -> blocks its load writes
         self._no_reload: set[str] = set()  # reqs whose load failed
         self._looked_up: set[str] = set()  # reqs counted in the lookups metric
-        self._asked_wait = False  # a request was told to wait in this scheduler step
-        self._idle_yield_s = max(0.0, float(self._extra.get("idle_yield_ms", 2))) / 1e3
 
         policy = getattr(args.ktc, "kv_load_failure_policy", "recompute")
         if self._load_enabled and policy != "recompute":
@@ -169,12 +167,6 @@ class SchedulerSide(ConnectorBase):
         their wait ran out) and remote ones have been copied into this node's DRAM.
         ``None`` asks vLLM to ask again: the request waits in the queue holding no KV
         blocks. No side effects on vLLM; the connector keeps its own per-request state."""
-        got = self._match(request, num_computed_tokens)
-        if got[0] is None:
-            self._asked_wait = True
-        return got
-
-    def _match(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._load_enabled or not self._cacheable(request):
             return 0, False
         rid = request.request_id
@@ -467,11 +459,6 @@ class SchedulerSide(ConnectorBase):
                 self._no_reload.add(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        if self._asked_wait and scheduler_output.total_num_scheduled_tokens == 0:
-            # Nothing to run but requests waiting on chunks: vLLM's engine loop would call
-            # the scheduler again at once, spinning a core the agent needs to land them.
-            time.sleep(self._idle_yield_s)
-        self._asked_wait = False
         meta = TieredCacheConnectorMetadata(
             loads=self._pending_loads, step_tokens=scheduler_output.total_num_scheduled_tokens
         )

@@ -1090,30 +1090,3 @@ def test_a_slow_peer_pull_is_waited_for_only_under_fetch_policy_always(
     assert got == (None, False)  # still waiting, within the cap
     remote.landed = True
     assert d.sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, False)
-
-
-def test_the_scheduler_yields_the_core_while_requests_wait_and_nothing_runs(
-    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """vLLM's engine loop calls the scheduler again at once while a request waits: a step
-    that scheduled nothing sleeps ``idle_yield_ms`` so the agent landing the chunks gets
-    the core; a step that ran something, or one with nobody waiting, does not."""
-    import connectors.vllm_scheduler as vs
-
-    slept: list[float] = []
-    monkeypatch.setattr(vs.time, "sleep", slept.append)
-    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, lookup_poll_s=0, idle_yield_ms=3)
-    keys = d.sched.scheduler._req_keys(PROMPT, None)
-    req = FakeRequest("d1", PROMPT, kv_transfer_params=hint(keys))
-    d.sched.on_new_request(req)
-    d.sched.build_connector_meta(sched_output([]))
-    assert slept == []  # nobody waits
-    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    other = FakeRequest("x", list(range(500, 520)))
-    d.sched.build_connector_meta(sched_output([(other, [1], 0, 20)]))
-    assert slept == []  # the step ran a request
-    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    d.sched.build_connector_meta(sched_output([]))
-    assert slept == [0.003]
-    d.sched.build_connector_meta(sched_output([]))
-    assert slept == [0.003]  # nobody was told to wait in this step

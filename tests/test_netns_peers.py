@@ -270,4 +270,3 @@ def test_advertised_address_can_be_set(cluster: Cluster) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-

@@ -91,3 +91,45 @@ def test_the_agent_answers_a_bad_frame_with_the_reason_and_keeps_serving(
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("reply", "want"),
+    [({"ok": True, "len": 5}, b"chunk"), ({"ok": True, "len": -1}, None),
+     ({"ok": True, "data": b"chunk"}, b"chunk"), ({"ok": True, "data": None}, None)],
+    ids=["raw", "raw-miss", "old-server", "old-server-miss"],
+)  # fmt: skip
+async def test_a_peer_reply_is_read_off_the_socket_in_either_form(
+    reply: dict[str, typing.Any], want: bytes | None
+) -> None:
+    import asyncio
+
+    from tiered_cache.agent.peers import _read_chunk
+    from tiered_cache.ipc import pack
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    try:
+        b.sendall(pack(reply) + (b"chunk" if reply.get("len") == 5 else b""))
+        got = await _read_chunk(asyncio.get_running_loop(), a)
+        assert (None if got is None else bytes(got)) == want
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_peer_announcing_a_huge_chunk_is_refused_before_any_allocation() -> None:
+    import asyncio
+
+    from tiered_cache.agent.peers import _read_chunk
+    from tiered_cache.ipc import MAX_FRAME, pack
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    try:
+        b.sendall(pack({"ok": True, "len": MAX_FRAME + 1}))
+        with pytest.raises(IPCError, match="announced a chunk"):
+            await _read_chunk(asyncio.get_running_loop(), a)
+    finally:
+        a.close()
+        b.close()

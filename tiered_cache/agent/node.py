@@ -154,6 +154,14 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         await self.store.open()
         if self._file_pins is not None:  # before the socket exists: clients see the pins
             await self._import_pins(self._file_pins)
+        # Bound now (a bad path fails before the node is advertised), accepting only once
+        # the node is in the directory with its pins and chunks published.
+        path = self.cfg.socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        srv = await asyncio.start_unix_server(self._serve_local, path=path, start_serving=False)
+        os.chmod(path, 0o660)
+        self._servers.append(srv)
         if self.cfg.agent.peer_port is not None:
             psrv = await asyncio.start_server(
                 self._serve_peer,
@@ -172,14 +180,7 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         await self._heartbeat()
         await self._sync_pins()
         await self.store.republish()
-        # The socket last: a client that reaches the agent finds it in the directory, with
-        # the pins and its chunks' locations published.
-        path = self.cfg.socket_path
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        srv = await asyncio.start_unix_server(self._serve_local, path=path)
-        os.chmod(path, 0o660)
-        self._servers.append(srv)
+        await srv.start_serving()
         for fn, every in (
             (self._heartbeat, max(1.0, self.cfg.heartbeat_ttl_s / 3)),
             (self._sync_pins, self.cfg.agent.pin_sync_interval_s),

@@ -9,13 +9,19 @@ import socket
 import time
 
 from tiered_cache.agent.state import AgentState
-from tiered_cache.ipc import IPCError, pack, read_msg, sock_read_msg, sock_recv_exact
+from tiered_cache.ipc import (
+    MAX_FRAME,
+    IPCError,
+    pack,
+    read_msg,
+    sock_read_msg,
+    sock_recv_exact,
+)
 
 log = logging.getLogger("tiered_cache.agent")
 
 PEER_CONNECTIONS = 4  # parallel chunk fetches per peer (the agent's get loads 8 at once)
-# Stream buffer for peer frames: with asyncio's 64 KiB default a multi-MiB chunk is read
-# through dozens of pause/resume cycles of the transport.
+# The peer server's stream buffer for requests (small; replies go out as raw bytes).
 PEER_STREAM_LIMIT = 8 * 2**20
 
 
@@ -117,14 +123,17 @@ async def _connect(loop: asyncio.AbstractEventLoop, addr: tuple[str, int]) -> so
     err: OSError | None = None
     for family, kind, proto, _, sockaddr in infos:
         sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await loop.sock_connect(sock, sockaddr)
             return sock
         except OSError as e:
             sock.close()
             err = e
+        except BaseException:  # timed out or cancelled mid-connect
+            sock.close()
+            raise
     raise err or OSError(f"no address for {host}:{port}")
 
 
@@ -132,7 +141,9 @@ async def _read_chunk(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> b
     """A peer's reply to a raw fetch: the chunk, or None when it does not hold it."""
     head = await sock_read_msg(loop, sock)
     n = head.get("len")
-    if isinstance(n, int):
+    if type(n) is int:
+        if n > MAX_FRAME:
+            raise IPCError(f"peer announced a chunk of {n} bytes")
         return None if n < 0 else await sock_recv_exact(loop, sock, n)
     data = head.get("data")  # a server from before raw replies
     return bytearray(data) if isinstance(data, bytes) else None
