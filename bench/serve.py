@@ -68,6 +68,7 @@ from tiered_cache.tools.vllm_launch import (
     server_env,
     spawn,
     stop_group,
+    wait_http,
 )
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -291,23 +292,11 @@ class Bench:
                 [sys.executable, "-m", "tiered_cache.cli", "router", "--prefill",
                  d.servers[0].url, "--decode", d.servers[1].url, "--port", str(port), "-c",
                  str(cfg)], self.work / "router.log"))  # fmt: skip
-            _wait_http(d.url + "/health", 60)
+            wait_http(d.url + "/health", 60)
         warm = _tokens(random.Random(99), 40)
         for s in d.servers:
             s.completion(warm, max_tokens=2, logprobs=0, timeout=600).raise_for_status()
         return d
-
-
-def _wait_http(url: str, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer")
 
 
 # ---------------------------------------------------------------------- running load

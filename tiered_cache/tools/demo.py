@@ -38,6 +38,7 @@ from tiered_cache.tools.vllm_launch import (
     server_env,
     spawn,
     stop_group,
+    wait_http,
 )
 
 
@@ -63,18 +64,6 @@ class Procs:
                 else:
                     stop_group(obj)
         self.items.clear()
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, t: float) -> None:
-    deadline = time.monotonic() + t
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited during startup:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code < 500:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} did not come up at {url}")
 
 
 def _redis(procs: Procs, work: Path) -> str:
@@ -221,7 +210,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
         ),
     )
     s3_url = f"http://127.0.0.1:{s3_port}"
-    _wait_http(s3_url, moto, "moto", work / "moto.log", 30)
+    wait_http(s3_url, 30, moto, work / "moto.log", "moto")
     env_s3 = {
         "AWS_ACCESS_KEY_ID": "demo",
         "AWS_SECRET_ACCESS_KEY": "demo",
@@ -354,7 +343,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
         ),
     )
     rurl = f"http://127.0.0.1:{rport}"
-    _wait_http(rurl + "/health", router, "router", work / "router.log", 60)
+    wait_http(rurl + "/health", 60, router, work / "router.log", "router")
 
     say(
         f"[6/6] replaying {a.requests} requests (4 conversations, 2 shared system prompts, "

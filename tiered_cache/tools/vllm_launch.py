@@ -30,6 +30,27 @@ CONNECTOR = "TieredCacheConnector"
 CONNECTOR_MODULE = "connectors.vllm"
 
 
+def wait_http(
+    url: str,
+    timeout: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+    what: str = "",
+) -> None:
+    """Until ``url`` answers below 500; RuntimeError as soon as ``proc`` exits (with the
+    tail of ``log``), TimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log is not None else ""
+            raise RuntimeError(f"{what or url} exited during startup:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what or url} did not come up at {url}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
