@@ -517,12 +517,12 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
                     res[label] = run_load(d, reqs, rate, conc, goodput, tokenizer, label)
             if a.kill_agent and "chat" in loads:
                 # New conversations (nothing cached), to mono as the reference and to ours
-                # with its agent killed a few seconds in.
+                # and P/D (behind the router) with their agent killed a few seconds in.
                 fresh = fresh_chat(len(loads["chat"]))
                 if name == "mono":
                     res["chat@kill"] = run_load(d, fresh, *levels[0], goodput, tokenizer,
                                                 "chat@kill")
-                elif name == "ours":
+                elif name in ("ours", "pd"):
                     res["chat@kill"] = kill_run(d, fresh, levels[0], goodput, tokenizer)
             out["results"][name] = res
         finally:
