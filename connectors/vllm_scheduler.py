@@ -541,10 +541,14 @@ class SchedulerSide(ConnectorBase):
             # Tells a proxy, and through it the decode node, exactly which chunks this
             # prefill put in the cache: the decode waits for those and no others. None
             # while the agent is down (the saves were skipped).
-            saved = 0 if self._guard.down else st.next_save
+            down = self._guard.down
+            saved = 0 if down else st.next_save
             params = {
                 "tiered_cache": {
                     "chunks": saved,
+                    # The router stops splitting requests while this is true: a decode
+                    # would only recompute the prompt.
+                    "unavailable": down,
                     "prompt_tokens": len(st.prompt),
                     "chunk_size": self._chunk_size,
                     "keys": st.keys[:saved],

@@ -10,6 +10,11 @@ Cache-aware: the router tokenizes the prompt on a decode server (``/tokenize``),
 the chunk keys, and asks the cache where they are. If the whole chunk-aligned prompt is
 already loadable it skips prefill; otherwise it picks the prefill server whose node holds
 the longest cached prefix, weighed against its in-flight load.
+
+When a prefill server's connector reports its cache unavailable, a handoff would only make
+the decode recompute the prompt: the router stops splitting requests (each goes whole to
+the least-loaded live server of either pool) until a later prefill, sent on a backoff
+schedule, saves its chunks again.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +70,8 @@ class RouterStats:
     retries: int = 0  # requests moved to another backend after one failed
     per_backend: dict[str, int] = field(default_factory=dict)
     # Requests served by the pool that was left (each server is a whole vLLM):
-    # no_prefill (the decode computed the prompt), no_decode (a prefill server decoded).
+    # no_prefill (the decode computed the prompt), no_decode (a prefill server decoded),
+    # cache_down (no handoff: the cache was unavailable, one server served it whole).
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def fallback(self, reason: str) -> None:
@@ -82,6 +88,8 @@ class Router:
         load_weight: float = 1.0,
         timeout_s: float = 600.0,
         health_interval_s: float = 2.0,
+        handoff_retry_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode server")
@@ -97,6 +105,12 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._cache_guard = Breaker("router: node agent (cache-aware routing)", log)
+        # Opened by a prefill that could not save its KV: while open, requests are not
+        # split (a decode would only recompute what the prefill computed).
+        self._handoff = Breaker(
+            "router: KV handoff (the prefill's cache)", log, base_s=handoff_retry_s,
+            clock=clock,
+        )
 
     # ---------------------------------------------------------------- app
 
@@ -290,6 +304,8 @@ class Router:
             return _error(400, "request body must be a JSON object")
         path = request.path
         rid = request.headers.get("X-Request-Id") or f"tc-{time.monotonic_ns():x}"
+        if not self._handoff.allow():
+            return await self._serve_whole(path, body, rid, request)
         keys = None if self._cache_guard.blocked else await self._prompt_keys(path, body)
         pre, skip = await self._choose_prefill(keys)
         if skip:
@@ -301,7 +317,20 @@ class Router:
             got = await self._run_prefill(pre, path, body, rid)
             if isinstance(got, web.Response):
                 return got
-            kv_params = got
+            kv_params, pre = got
+            tc = kv_params.get("tiered_cache")
+            if pre is not None and isinstance(tc, dict) and tc.get("unavailable"):
+                # Nothing was saved: decode on the prefill server, whose own prefix
+                # cache holds the prompt it just computed.
+                self._handoff.failed("the prefill server reports its cache unavailable")
+                self.stats.fallback("cache_down")
+                out = await self._decode(pre, path, dict(body), rid, request)
+                if not isinstance(out, _Retry):
+                    return out
+                self.stats.retries += 1
+                kv_params = {}
+            elif isinstance(tc, dict):
+                self._handoff.ok()
         # The KV sits in the cache tiers, not in one decode server: any decode server can
         # pull it, so a dead one is retried on another.
         tried: set[str] = set()
@@ -331,19 +360,41 @@ class Router:
 
     async def _run_prefill(
         self, pre: Backend | None, path: str, body: dict[str, Any], rid: str
-    ) -> dict[str, Any] | web.Response:
-        """The prefill's ``kv_transfer_params``; {} when no prefill server could run it
-        (the decode server then computes the prompt itself: slower, never a failure)."""
+    ) -> tuple[dict[str, Any], Backend | None] | web.Response:
+        """The prefill's ``kv_transfer_params`` and the server that ran it; ({}, None)
+        when no prefill server could (the decode server then computes the prompt itself:
+        slower, never a failure)."""
         tried: set[str] = set()
         while pre is not None:
             tried.add(pre.url)
             got = await self._prefill(pre, path, body, rid)
-            if not isinstance(got, _Retry):
+            if isinstance(got, web.Response):
                 return got
+            if not isinstance(got, _Retry):
+                return got, pre
             self.stats.retries += 1
             pre = self._next_live(self.prefill, tried)
         self.stats.fallback("no_prefill")
-        return {}
+        return {}, None
+
+    async def _serve_whole(
+        self, path: str, body: dict[str, Any], rid: str, request: web.Request
+    ) -> web.StreamResponse:
+        """No handoff while the cache is down: the least-loaded live server of either
+        pool serves the request alone (each is a whole vLLM)."""
+        self.stats.fallback("cache_down")
+        tried: set[str] = set()
+        while True:
+            live = [b for b in (*self.decode, *self.prefill) if b.healthy and b.url not in tried]
+            if not live:
+                self.stats.errors += 1
+                return _error(503, "no healthy decode or prefill server")
+            srv = self._least_loaded(live)
+            tried.add(srv.url)
+            out = await self._decode(srv, path, dict(body), rid, request)
+            if not isinstance(out, _Retry):
+                return out
+            self.stats.retries += 1
 
     def _least_loaded(self, live: list[Backend]) -> Backend:
         """Fewest in-flight requests; ties rotate round-robin."""
