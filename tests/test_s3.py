@@ -292,7 +292,8 @@ async def test_persistent_500_fails_fast_and_a_background_probe_finds_s3_again(
 
 async def test_stalls_time_out(make_tier: MakeTier, proxy: FaultProxy) -> None:
     m = Metrics()
-    t = faulty(make_tier, proxy, metrics=m, max_attempts=2)
+    # A read timeout that a loaded 2-core CI host answers well within (0.5 s was not).
+    t = faulty(make_tier, proxy, metrics=m, max_attempts=2, read_timeout=1.5)
     await t.put(key(1), b"stall me")
     # One stalled answer: botocore's read timeout fires and the retry succeeds.
     proxy.stall_next(1, 30, methods=["GET"])
@@ -312,7 +313,8 @@ async def test_stalls_time_out(make_tier: MakeTier, proxy: FaultProxy) -> None:
 
 async def test_stall_mid_body_is_retried(make_tier: MakeTier, proxy: FaultProxy) -> None:
     m = Metrics()
-    t = faulty(make_tier, proxy, metrics=m, multipart_threshold=5 * MiB, part_size=5 * MiB)
+    t = faulty(make_tier, proxy, metrics=m, multipart_threshold=5 * MiB, part_size=5 * MiB,
+               read_timeout=1.2)  # fmt: skip
     small = os.urandom(64 * 1024)
     big = os.urandom(11 * MiB)
     await t.put(key(1), small)
