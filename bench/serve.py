@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -196,6 +197,11 @@ class Deployment:
             with contextlib.suppress(Exception):
                 for k, v in s.metrics().items():
                     out[k] = out.get(k, 0.0) + v
+        if self.router is not None:  # requests the router served without a handoff
+            with contextlib.suppress(Exception):
+                st = httpx.get(self.url + "/router/stats", timeout=10).json()
+                for reason, n in st.get("fallbacks", {}).items():
+                    out[f"router_fallbacks:{reason}"] = float(n)
         return out
 
     def stop(self) -> None:
@@ -334,11 +340,13 @@ def run_load(
 
     tiers = {t: total("tiered_cache_connector_hit_tokens_total", tier=t)
              for t in ("dram", "nvme", "peer", "s3")}  # fmt: skip
-    reasons = {}
+    reasons: dict[str, float] = {}
     for k, v in delta.items():
         if k.startswith("tiered_cache_connector_recompute_fallbacks_total{") and v:
             reason = k.split('reason="', 1)[1].split('"', 1)[0]
             reasons[reason] = reasons.get(reason, 0) + v
+    routed = {k.split(":", 1)[1]: v for k, v in delta.items()
+              if k.startswith("router_fallbacks:") and v}  # fmt: skip
     ttfts = [t for t in res["ttfts"]]
     tpots = [
         (lat - ttft) / (n - 1) if n > 1 and ttft else 0.0
@@ -362,7 +370,7 @@ def run_load(
         "vllm_prefix_cache_hit_tokens": total("vllm:prefix_cache_hits_total")
         or delta.get("vllm:prefix_cache_hits_total", 0.0),
         "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits_total", 0.0),
-        "hit_tokens_by_tier": tiers, "fallbacks": reasons,
+        "hit_tokens_by_tier": tiers, "fallbacks": reasons, "router_fallbacks": routed,
         "start_times": res["start_times"],
     }
 
