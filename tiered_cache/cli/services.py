@@ -1,0 +1,167 @@
+"""The long-running commands: agent, dashboard, router, simulate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import click
+
+from tiered_cache.cli.common import CliError, _cfg_opt, _load, friendly
+
+
+@click.command()
+@click.option("-c", "--config", type=click.Path(dir_okay=False), help="YAML config file.")
+@click.option("--node-id", help="Override node_id.")
+@click.option("--socket", "socket_path", help="Override the local unix socket path.")
+@click.option("--peer-port", type=int, help="Serve chunks to peers on this TCP port (0=any).")
+@click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port.")
+@friendly
+def agent(
+    config: str | None,
+    node_id: str | None,
+    socket_path: str | None,
+    peer_port: int | None,
+    metrics_port: int | None,
+) -> None:
+    """Run the node agent (owns DRAM pool, NVMe dir, S3 client; serves local vLLM)."""
+    cfg = _load(config)
+    upd: dict[str, Any] = {}
+    if node_id:
+        upd["node_id"] = node_id
+    a: dict[str, Any] = {}
+    if socket_path:
+        a["socket"] = socket_path
+    if peer_port is not None:
+        a["peer_port"] = peer_port
+    if metrics_port is not None:
+        a["metrics_port"] = metrics_port
+    if a:
+        upd["agent"] = cfg.agent.model_copy(update=a)
+    cfg = cfg.model_copy(update=upd)
+    from tiered_cache.agent import NodeAgent
+
+    asyncio.run(NodeAgent(cfg).run_forever())
+
+
+@click.command()
+@_cfg_opt
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8790, show_default=True)
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per reading.")
+@click.option("--window", type=float, default=30.0, show_default=True, help="Rate window, seconds.")
+@click.option("--history", type=int, default=900, show_default=True, help="Readings kept.")
+@click.option("--scrape", multiple=True, metavar="URL", help="Also read an agent's /metrics.")
+@friendly
+def dashboard(
+    config: str | None,
+    host: str,
+    port: int,
+    interval: float,
+    window: float,
+    history: int,
+    scrape: tuple[str, ...],
+) -> None:
+    """Serve a live web dashboard of the cluster (hit rates, tokens, usage, pins, errors)."""
+    from tiered_cache.dashboard import Collector, Dashboard, serve
+
+    cfg = _load(config)
+    if interval <= 0 or window <= 0 or history < 2:
+        raise CliError("--interval and --window must be > 0 and --history at least 2")
+
+    async def check() -> None:
+        col = Collector(cfg, use_agent=False)
+        try:
+            await col.check_directory()
+        finally:
+            await col.close()
+
+    asyncio.run(check())
+    dash = Dashboard(
+        Collector(cfg, scrape=scrape), interval_s=interval, history=history, window_s=window
+    )
+    click.echo(f"dashboard on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
+    serve(dash, host, port)
+
+
+@click.command()
+@click.option(
+    "--prefill", "prefill", multiple=True, required=True, help="Prefill server URL (repeat)."
+)
+@click.option(
+    "--decode", "decode", multiple=True, required=True, help="Decode server URL (repeat)."
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "-c",
+    "--config",
+    type=click.Path(dir_okay=False),
+    help="Cache config: makes routing cache-aware through the node agent.",
+)
+@friendly
+def router(
+    prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int, config: str | None
+) -> None:
+    """OpenAI-compatible P/D router (prefill max_tokens=1, then decode through the cache)."""
+    from tiered_cache.router import run_router
+
+    for u in prefill + decode:
+        if not u.startswith(("http://", "https://")):
+            raise CliError(f"backend URL must start with http:// or https://: {u!r}")
+    cache = None
+    if config:
+        from tiered_cache.client import connect
+
+        cache = connect(_load(config), embedded="never", attach_pool=False)
+    run_router(prefill, decode, host, port, cache=cache)
+
+
+@click.command()
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option(
+    "--tier",
+    "tier_specs",
+    multiple=True,
+    required=True,
+    metavar="NAME=SIZE[:EVICTION[:ADMISSION]]",
+    help="A tier, top first (repeat): dram=8000 (blocks) or nvme=2TiB (bytes, see --block-bytes).",
+)
+@click.option("--policy", default="all", show_default=True, help="Eviction policy, a,b,c or all.")
+@click.option("--admission", default="always", show_default=True, help="Admission policy.")
+@click.option(
+    "--block-bytes",
+    default="64MiB",
+    show_default=True,
+    help="Bytes per 512-token block (default: Llama-3.1-8B bf16 KV).",
+)
+@click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
+@click.option(
+    "--demand-belady", is_flag=True, help="Also demand-paging Belady (with its write volume)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (last line).")
+@friendly
+def simulate(
+    trace: str,
+    tier_specs: tuple[str, ...],
+    policy: str,
+    admission: str,
+    block_bytes: str,
+    limit: int | None,
+    demand_belady: bool,
+    as_json: bool,
+) -> None:
+    """Replay a Mooncake-format TRACE through the real hierarchy and policies."""
+    from tiered_cache import simulate as sim
+    from tiered_cache.config import parse_size
+
+    nbytes = parse_size(block_bytes)
+    if nbytes < 1:
+        raise CliError("--block-bytes must be at least 1 byte")
+    tiers = [sim.parse_tier(s, nbytes) for s in tier_specs]
+    policies = sim.parse_policies(policy)
+    sim.check_admission(admission)
+    records = sim.load_trace(trace, limit)
+    rep = sim.run(records, tiers, policies, admission, nbytes, demand_belady=demand_belady)
+    click.echo(json.dumps(rep) if as_json else sim.format_report(rep))
