@@ -31,12 +31,8 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.platform import consume_fd
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-from connectors.lmcache_mp import (
-    TieredCacheL2Adapter,
-    object_key_to_key,
-    prefix_object_keys,
-    prefix_pin,
-)
+from connectors.lmcache_mp import TieredCacheL2Adapter, object_key_to_key
+from connectors.lmcache_pins import prefix_object_keys, prefix_pin
 from connectors.lmcache_plugin import TieredCacheBackend, engine_key_to_key
 from tiered_cache import client as tc_client
 from tiered_cache.client import AgentClient
@@ -304,10 +300,10 @@ def test_mp_adapter_honours_pins(make_store: Callable[..., Store]) -> None:
 
 
 def test_pin_cli(store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m connectors.lmcache_mp pin``: the operator's way to pin a prefix."""
+    """``python -m connectors.lmcache_pins pin``: the operator's way to pin a prefix."""
     import json
 
-    from connectors.lmcache_mp import main
+    from connectors.lmcache_pins import main
 
     tokens = list(range(6, 6 + 2 * CHUNK))
     ids = tmp_path / "ids.json"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from connectors.lmcache_mp import prefix_pin
+from connectors.lmcache_pins import prefix_pin
 from e2e.test_pd_handoff import assert_same_generation, make_prompt, parse
 from e2e.vllm_harness import VllmServer, free_port, pinned_core
 from tiered_cache.tools.lmcache_launch import LMCacheServer, tiered_l2_adapter
