@@ -466,21 +466,26 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
     )  # fmt: skip
     tokenizer = get_tokenizer(str(model))
     n = a.num_requests or (48 if a.quick else 96)
-    loads: dict[str, list[Request]] = {}
-    for w in workloads:
+    n_levels = len(rates) if rates else 1
+
+    def load(w: str, level: int) -> list[Request]:
+        # Each load level gets conversations of its own (another seed): replaying the
+        # same ones would find them cached by the level before.
         if w == "chat":
             # Two turns a user on average; a system prompt shared by two users.
             users = max(12, n // 2)
-            loads[w] = chat_workload(n, seed=1, users=users, systems=users // 2,
-                                     system_tokens=1000)  # fmt: skip
-        elif w == "trace":
-            loads[w] = trace_workload(a.trace, n, a.block_tokens, 32, max_model_len(a.kv_blocks))
-        elif w == "mixed":
-            loads[w] = mixed_workload(max(9, n * 3 // 8), seed=2)
-        elif w == "jsonl":
-            loads[w] = jsonl_workload(a.prompts, n, tokenizer)
-        else:
-            raise SystemExit(f"unknown workload {w!r}")
+            return chat_workload(n, seed=1 + 100 * level, users=users, systems=users // 2,
+                                 system_tokens=1000)  # fmt: skip
+        if w == "trace":  # the trace's own order (little reuse at this scale)
+            return trace_workload(a.trace, n, a.block_tokens, 32, max_model_len(a.kv_blocks))
+        if w == "mixed":
+            return mixed_workload(max(9, n * 3 // 8), seed=2 + 100 * level)
+        if w == "jsonl":
+            return jsonl_workload(a.prompts, n, tokenizer)
+        raise SystemExit(f"unknown workload {w!r}")
+
+    by_level = {w: [load(w, i) for i in range(n_levels)] for w in workloads}
+    loads = {w: v[0] for w, v in by_level.items()}
     kv_tokens = a.kv_blocks * BLOCK
     kv_per_token = 8 * 2 * 4 * 64 * (4 if a.dtype == "float32" else 2)  # demo preset
     sizes = {
@@ -519,8 +524,8 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
         say(f"{name} up in {time.monotonic() - t:.0f}s")
         try:
             res: dict[str, Any] = {}
-            for w, reqs in loads.items():
-                for rate, conc in levels:
+            for w, per_level in by_level.items():
+                for (rate, conc), reqs in zip(levels, per_level, strict=True):
                     label = f"{w}@{'c' + str(conc) if conc else rate}"
                     res[label] = run_load(d, reqs, rate, conc, goodput, tokenizer, label)
             if a.kill_agent and "chat" in loads:
@@ -617,6 +622,16 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
 
     labels = [lab for lab in ref if lab.split("@")[0] in ("chat", "trace") and lab[-5:] != "@kill"]
     main_label = labels[0] if labels else next(iter(ref), "")
+    # Under Poisson rates, compare at the highest rate where mono still meets the SLOs
+    # (90 % of its requests within both), as the issue asks; else at the lowest rate.
+    w0 = main_label.split("@")[0]
+    rated = sorted((float(lab.split("@")[1]), lab) for lab in labels
+                   if lab.split("@")[0] == w0 and not lab.split("@")[1].startswith("c"))  # fmt: skip
+    meeting = [lab for _, lab in rated
+               if (metric("mono", lab, "request_goodput") or 0)
+               >= 0.9 * (metric("mono", lab, "request_throughput") or float("inf"))]  # fmt: skip
+    if meeting:
+        main_label = meeting[-1]
     # Goodput of our best deployment at the main load level.
     ours_best = max(("ours", "pd"), key=lambda n: metric(n, main_label, "request_goodput") or 0)
     mixed = next((lab for lab in ref if lab.startswith("mixed@")), None)
