@@ -1,0 +1,230 @@
+"""The read path: which sources hold a chunk and at what price, and reading the nearest
+verified copy (local tiers, peers, S3) with promotion of hits to DRAM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from tiered_cache import codec
+from tiered_cache.api import NODE_TIERS
+from tiered_cache.directory import Directory
+from tiered_cache.estimates import SourceEstimator
+from tiered_cache.events import StoreEvents
+from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot
+from tiered_cache.tiers.base import Tier, TierError
+
+log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
+
+
+class ReadsMixin:
+    """Owns a ``TieredStore``'s reads: lookups (prefix rule, prices), the read plan of a
+    key, verified reads from a tier, and promotion of hits into the top tier."""
+
+    # TieredStore's attributes this part uses.
+    slots: list[TierSlot]
+    by_name: dict[str, TierSlot]
+    node_id: str
+    directory: Directory | None
+    peer_fetch: PeerFetch | None
+    events: StoreEvents
+    estimates: SourceEstimator
+    verify_dram_reads: bool
+    _typical_bytes: int
+    _missed: dict[str, float]
+
+    if TYPE_CHECKING:  # defined by TieredStore and RemoteMixin
+
+        async def _remote_sources(self, keys: Sequence[str]) -> list[str | None]: ...
+        def _best_peer_s(self, size: int) -> float: ...
+        async def _fetch_from_peer(
+            self, key: str, node: str, expect_fp: bytes | None
+        ) -> Hit | None: ...
+        def _spawn(self, coro: Awaitable[None], sem: asyncio.Semaphore | None = None) -> None: ...
+        async def delete(self, key: str, tiers: Iterable[str] | None = None) -> None: ...
+        def _observe(self, source: str, nbytes: int, seconds: float) -> None: ...
+        async def _write_tier(
+            self, slot: TierSlot, key: str, data: bytes | bytearray | memoryview
+        ) -> bool: ...
+
+    async def contains(self, keys: Sequence[str]) -> dict[str, list[bool]]:
+        return {s.name: await s.tier.contains_many(keys) for s in self.slots}
+
+    async def lookup(self, keys: Sequence[str]) -> list[str]:
+        """Source label of each leading key that is loadable, nearest first."""
+        out: list[str] = []
+        for lab in await self._labels(keys):
+            if lab is None:
+                break
+            out.append(lab)
+            self.events.looked_up(lab)
+        return out
+
+    async def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float] | None]:
+        """For each key on its own (no prefix rule): its nearest source and the expected
+        seconds to load it from there, or None. For alternatives, e.g. the partial
+        chunks a longer prompt may share with an earlier one."""
+        labels = await self._labels(keys)
+        return [
+            None if lab is None else (lab, self._expected_s(key, lab, nbytes))
+            for key, lab in zip(keys, labels, strict=True)
+        ]
+
+    async def _labels(self, keys: Sequence[str]) -> list[str | None]:
+        """Nearest source of each key (None: found nowhere), prefix rule not applied."""
+        if not keys:
+            return []
+        local_slots = [s for s in self.slots if s.name != "s3"]
+        labels: list[str | None] = [None] * len(keys)
+        local = [await s.tier.contains_many(keys) for s in local_slots]
+        for s, present in zip(reversed(local_slots), reversed(local), strict=True):
+            name = s.name  # nearer tiers come later and overwrite: nearest wins
+            for i, p in enumerate(present):
+                if p:
+                    labels[i] = name
+        missing = [i for i, lab in enumerate(labels) if lab is None]
+        if missing:
+            # Only the chunks before the first one found nowhere matter; ask about every
+            # missing one in one batch anyway (one round trip beats a second one).
+            remote = await self._remote_sources([keys[i] for i in missing])
+            for i, src in zip(missing, remote, strict=True):
+                labels[i] = src
+        now = time.monotonic()
+        return [
+            None if lab in ("peer", "s3") and self._missed.get(key, 0.0) > now else lab
+            for key, lab in zip(keys, labels, strict=True)
+        ]  # a remote copy a fetch just could not find is not offered
+
+    async def lookup_priced(
+        self, keys: Sequence[str], nbytes: int = 0
+    ) -> tuple[list[str], list[float]]:
+        """``lookup``, with the expected seconds to load each found chunk from its source
+        (``estimates``; ``nbytes``: the chunk size to price chunks of unknown size at)."""
+        sources = await self.lookup(keys)
+        costs = [self._expected_s(k, src, nbytes) for k, src in zip(keys, sources, strict=False)]
+        return sources, costs
+
+    def _expected_s(self, key: str, source: str, nbytes: int) -> float:
+        slot = self.by_name.get(source)
+        size = (slot.tier.size_of(key) if slot is not None else None) or (
+            nbytes or self._typical_bytes or 2**20
+        )
+        if source == "peer":
+            return self._best_peer_s(size)
+        return self.estimates.expected_s(source, size)
+
+    async def get(
+        self,
+        key: str,
+        *,
+        expect_fingerprint: bytes | None = None,
+        promote: bool = True,
+        num_tokens_hint: int = 0,
+    ) -> Hit | None:
+        """Nearest verified copy of ``key``, or None (miss, or every copy failed).
+
+        Sources are tried by expected transfer time (``estimates``): with the priors that is
+        this node's DRAM, its NVMe, a peer node's DRAM/NVMe, then S3; measured transfers can
+        reorder them, e.g. a peer's DRAM ahead of a slow local disk."""
+        return await self._get_planned(key, await self._plan(key), expect_fingerprint, promote)
+
+    async def _get_planned(
+        self, key: str, plan: list[str], expect_fp: bytes | None, promote: bool
+    ) -> Hit | None:
+        for src in plan:
+            if src.startswith("peer:"):
+                hit = await self._fetch_from_peer(key, src[5:], expect_fp)
+                if hit is not None:
+                    if promote:
+                        self._spawn(self._promote(key, hit))
+                    return hit
+                continue
+            slot = self.by_name[src]
+            hit = await self._read_verified(slot.tier, key, expect_fp)
+            if hit is not None:
+                return self._on_hit(slot, key, hit, promote)
+        self.events.miss()
+        return None
+
+    async def _plan(self, key: str) -> list[str]:
+        """Sources that may hold ``key``, fastest expected first. Local tiers are listed
+        only when they hold it; S3 always (a miss there costs one request); peers from the
+        directory, asked only when a peer could beat the best local copy."""
+        held: list[str] = []
+        size = 0
+        for slot in self.slots:
+            if slot.name == "s3":
+                continue
+            if (await slot.tier.contains_many([key]))[0]:
+                held.append(slot.name)
+                size = size or (slot.tier.size_of(key) or 0)
+        size = size or self._typical_bytes or 2**20
+        cands = list(held)
+        if self.peer_fetch is not None and self.directory is not None:
+            best_local = min((self.estimates.expected_s(h, size) for h in held), default=None)
+            if best_local is None or self._best_peer_s(size) < best_local:
+                (locs,) = await self.directory.locate([key])
+                for loc in locs:
+                    p = f"peer:{loc.node_id}"
+                    # A peer serves from all its tiers: list it once.
+                    if (
+                        loc.node_id != self.node_id
+                        and loc.tier in NODE_TIERS
+                        and p not in cands
+                    ):
+                        cands.append(p)
+        if "s3" in self.by_name:
+            cands.append("s3")
+        return self.estimates.rank(cands, size)
+
+    def _on_hit(self, slot: TierSlot, key: str, hit: Hit, promote: bool) -> Hit:
+        slot.eviction.on_access(key)
+        slot.admission.on_access(key)
+        if promote and slot is not self.slots[0]:
+            self._spawn(self._promote(key, hit))
+        return hit
+
+    async def _read_verified(
+        self, tier: Tier, key: str, expect_fp: bytes | None, source: str | None = None
+    ) -> Hit | None:
+        name = tier.name
+        t0 = time.perf_counter()
+        try:
+            raw = await tier.get(key)
+        except TierError as e:
+            self.events.read_failed(name)
+            log.warning("%s read of %s failed: %s", name, key, e)
+            return None
+        if raw is None:
+            return None
+        try:
+            meta, payload = codec.decode(
+                raw,
+                expect_key=key,
+                expect_fingerprint=expect_fp,
+                verify_payload=self.verify_dram_reads or name != "dram",
+            )
+        except codec.ChunkMismatch as e:
+            log.warning("%s chunk %s unusable here: %s", name, key, e)
+            self.events.verify_failed(name)
+            return None
+        except codec.ChunkError as e:
+            log.warning("%s chunk %s failed verification (%s): removed", name, key, e)
+            self.events.verify_failed(name)
+            await self.delete(key, tiers=[name])
+            return None
+        n = len(raw)
+        dt = time.perf_counter() - t0
+        self._observe(source or name, n, dt)
+        self.events.hit(source or name, meta.num_tokens, n, dt)
+        return Hit(meta, payload, source or name, raw)
+
+    async def _promote(self, key: str, hit: Hit) -> None:
+        top = self.slots[0]
+        if (await top.tier.contains_many([key]))[0]:
+            return
+        raw = hit.encoded()
+        await self._write_tier(top, key, raw)

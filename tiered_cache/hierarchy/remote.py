@@ -1,0 +1,110 @@
+"""Reads from other nodes: where the directory (or S3 itself) says a chunk lives, and
+fetching a verified copy from a peer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tiered_cache import codec
+from tiered_cache.api import NODE_TIERS
+from tiered_cache.directory import Directory
+from tiered_cache.estimates import SourceEstimator, kind_of
+from tiered_cache.events import StoreEvents
+from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot
+
+log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
+
+
+class RemoteMixin:
+    """Owns a ``TieredStore``'s view of copies held elsewhere: the remote sources of keys,
+    fetches from peers (verified, timed into the estimates) and the best peer's price."""
+
+    # TieredStore's attributes this part uses.
+    node_id: str
+    directory: Directory | None
+    peer_fetch: PeerFetch | None
+    by_name: dict[str, TierSlot]
+    events: StoreEvents
+    estimates: SourceEstimator
+
+    if TYPE_CHECKING:  # defined by TieredStore
+
+        def _observe(self, source: str, nbytes: int, seconds: float) -> None: ...
+
+    def _directory_ok(self) -> bool:
+        d = self.directory
+        return d is not None and not getattr(d, "degraded", False)
+
+    async def _remote_sources(self, keys: Sequence[str]) -> list[str | None]:
+        res: list[str | None] = [None] * len(keys)
+        if self.directory is not None:
+            locs = await self.directory.locate(keys)
+            for i, ls in enumerate(locs):
+                if self.peer_fetch is not None and any(
+                    loc.node_id != self.node_id and loc.tier in NODE_TIERS for loc in ls
+                ):
+                    res[i] = "peer"
+                elif "s3" in self.by_name and any(loc.tier == "s3" for loc in ls):
+                    res[i] = "s3"
+        s3 = self.by_name.get("s3")
+        if s3 is not None:
+            # The directory may be down or behind: S3 itself is the truth for what it holds.
+            # The directory may be down, or may have aged out the entries of a node that
+            # died (its S3 objects live on): S3 itself is the truth for what it holds.
+            # With a healthy directory, probe only the first unknown chunk (the prefix
+            # walk stops there anyway) and the rest only if that probe hits.
+            unknown = [i for i, r in enumerate(res) if r is None]
+            if unknown and self._directory_ok():
+                first = await s3.tier.contains_many([keys[unknown[0]]])
+                if not first[0]:
+                    unknown = []
+            if unknown:
+                hits = await s3.tier.contains_many([keys[i] for i in unknown])
+                for i, h in zip(unknown, hits, strict=True):
+                    if h:
+                        res[i] = "s3"
+        return res
+
+    def _best_peer_s(self, size: int) -> float:
+        known = [s for s in self.estimates.snapshot() if kind_of(s) == "peer"]
+        return min(self.estimates.expected_s(s, size) for s in [*known, "peer"])
+
+    async def _get_from_peer(self, key: str, expect_fp: bytes | None) -> Hit | None:
+        """The first verified copy from any peer that the directory says holds ``key``."""
+        if self.peer_fetch is None or self.directory is None:
+            return None
+        (locs,) = await self.directory.locate([key])
+        nodes = [
+            loc.node_id
+            for loc in locs
+            if loc.node_id != self.node_id and loc.tier in NODE_TIERS
+        ]
+        for node in dict.fromkeys(nodes):  # a peer serves from all its tiers: ask it once
+            hit = await self._fetch_from_peer(key, node, expect_fp)
+            if hit is not None:
+                return hit
+        return None
+
+    async def _fetch_from_peer(self, key: str, node: str, expect_fp: bytes | None) -> Hit | None:
+        if self.peer_fetch is None:
+            return None
+        try:
+            got = await self.peer_fetch(key, node)
+        except Exception as e:
+            log.warning("peer %s fetch of %s failed: %s", node, key, e)
+            return None
+        if got is None:
+            return None
+        raw, dt = got
+        try:
+            meta, payload = codec.decode(raw, expect_key=key, expect_fingerprint=expect_fp)
+        except codec.ChunkError as e:
+            log.warning("peer %s sent a bad chunk %s: %s", node, key, e)
+            self.events.verify_failed("peer")
+            return None
+        self._observe(f"peer:{node}", len(raw), dt)
+        self.events.hit("peer", meta.num_tokens, len(raw), dt)
+        self.events.peer_transfer("in")
+        return Hit(meta, payload, "peer", raw)

@@ -1,0 +1,349 @@
+"""The tiered store: DRAM -> NVMe -> S3 with per-tier eviction, admission and write policy.
+
+- ``put`` lands in the top tier (DRAM), then reaches lower tiers per their write mode:
+  ``write_through`` (copied at put time, in the background) or ``write_back`` (copied when
+  evicted from the tier above). An admission policy can refuse a tier.
+- ``get`` reads from the nearest tier holding the chunk, verifies it (a failure is a miss:
+  counted, removed, and the next tier is tried) and promotes hits to DRAM.
+- Eviction is per tier through ``policies``. Pinned chunks are taken out of a tier's
+  policy, so no policy can ever pick them.
+- Concurrency: one asyncio lock per tier serialises make-room + insert; DRAM slots are
+  leased, so a chunk evicted while being read is freed only after the read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Iterable, Sequence
+
+from policies import EntryInfo
+from tiered_cache.directory import Directory, Pin
+from tiered_cache.estimates import SourceEstimator
+from tiered_cache.events import MetricsEvents, StoreEvents
+from tiered_cache.hierarchy.pins import PinsMixin
+from tiered_cache.hierarchy.reads import ReadsMixin
+from tiered_cache.hierarchy.remote import RemoteMixin
+from tiered_cache.hierarchy.slots import SlotsMixin
+from tiered_cache.hierarchy.types import PeerFetch, TierSlot, header_info
+from tiered_cache.metrics import Metrics
+from tiered_cache.tiers.base import SlotTier, TierError, TierFull
+
+log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
+
+
+class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
+    """The store of one node. Its parts: this class (tiers, eviction, the write path,
+    admin), ``PinsMixin`` (pins), ``ReadsMixin`` (the read path), ``RemoteMixin`` (other
+    nodes' copies) and ``SlotsMixin`` (the DRAM slot protocol, prefetch)."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSlot],
+        *,
+        node_id: str = "local",
+        directory: Directory | None = None,
+        metrics: Metrics | None = None,
+        events: StoreEvents | None = None,
+        location_ttl_s: float = 3600.0,
+        verify_dram_reads: bool = False,
+        peer_fetch: PeerFetch | None = None,
+        max_background: int = 16,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tiers: {names}")
+        self.slots = list(tiers)
+        self.by_name = {s.name: s for s in self.slots}
+        self._next_slot = {
+            s.name: (self.slots[i + 1] if i + 1 < len(self.slots) else None)
+            for i, s in enumerate(self.slots)
+        }
+        self.node_id = node_id
+        self.directory = directory
+        # What happened goes to ``events``; by default that is the Prometheus series of
+        # ``metrics`` (the trace simulator passes a plain StoreEvents: no bookkeeping).
+        self.metrics = metrics or Metrics()
+        self.events = events if events is not None else MetricsEvents(self.metrics)
+        self.location_ttl_s = location_ttl_s
+        # DRAM contents were verified on the way in and live in trusted memory; re-hashing
+        # them on every read would cost as much as the copy itself.
+        self.verify_dram_reads = verify_dram_reads
+        self.peer_fetch = peer_fetch
+        # Expected time per source (dram, nvme, peer:<node>, s3), from real transfers.
+        self.estimates = SourceEstimator()
+        self._typical_bytes = 0  # size of recent chunks, for ranking sources of unknown size
+        self._locks = {s.name: asyncio.Lock() for s in self.slots}
+        # The slot protocol (reserve/commit, leases) needs the top tier to be a pool.
+        top = self.slots[0].tier
+        self._pool: SlotTier | None = top if isinstance(top, SlotTier) else None
+        self._bg: set[asyncio.Task[None]] = set()
+        self._bg_sem = asyncio.Semaphore(max_background)
+        self._fetch_sem = asyncio.Semaphore(8)  # prefetches (as many as a get loads at once)
+        self._info: dict[str, EntryInfo] = {}
+        self._dropped_logged: set[str] = set()
+        self._prefetching: set[str] = set()  # keys being copied into DRAM
+        self._missed: dict[str, float] = {}  # key -> until when no remote copy is offered
+        # tier -> key -> ids of pins covering it
+        self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
+        self._pins: dict[str, Pin] = {}
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Track what tiers already hold (after a restart) in their eviction policies,
+        with the prefix information their chunk headers carry."""
+        for s in self.slots:
+            for key, (parent, position) in s.tier.take_recovered().items():
+                self._info.setdefault(key, EntryInfo(parent or None, position))
+            for key, size in s.tier.entries():
+                if key not in s.eviction and not self._is_pinned(s.name, key):
+                    s.eviction.on_insert(key, size, self._info.get(key))
+
+    async def open(self) -> None:
+        """Finish async tier set-up (e.g. S3 budget listing), then adopt their contents."""
+        for s in self.slots:
+            await s.tier.open()
+        self._adopt()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _track(self, slot: TierSlot, key: str, size: int) -> None:
+        if not self._is_pinned(slot.name, key):
+            slot.eviction.on_insert(key, size, self._info.get(key))
+
+    def _spawn(self, coro: Awaitable[None], sem: asyncio.Semaphore | None = None) -> None:
+        async def run() -> None:
+            async with sem or self._bg_sem:
+                try:
+                    await coro
+                except Exception:
+                    log.exception("background tier write failed")
+
+        t = asyncio.ensure_future(run())
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _publish(self, tier: str, keys: Sequence[str]) -> None:
+        if self.directory is not None and keys:
+            await self.directory.publish(self.node_id, tier, keys, self.location_ttl_s)
+
+    async def _unpublish(self, tier: str, keys: Sequence[str]) -> None:
+        if self.directory is not None and keys:
+            await self.directory.unpublish(self.node_id, tier, keys)
+
+    def _below(self, slot: TierSlot) -> TierSlot | None:
+        return self._next_slot[slot.name]
+
+    def _observe(self, source: str, nbytes: int, seconds: float) -> None:
+        self.estimates.observe(source, nbytes, seconds)
+        self._typical_bytes = nbytes
+        est = self.estimates.estimate(source)
+        self.events.estimate(source, est.latency_s, est.bandwidth_bps)
+
+    # ---------------------------------------------------------------- eviction
+
+    async def _make_room(self, slot: TierSlot, nbytes: int) -> None:
+        """Evict from ``slot`` until ``nbytes`` fit. Caller holds the tier's lock."""
+        tier = slot.tier
+        while not tier.has_room(nbytes):
+            # A chunk a reader holds would free nothing until it is released: the policy
+            # steps over it without counting a read, so its rank stays as it was.
+            chosen = slot.eviction.evict(1, tier.leased())
+            if not chosen:
+                raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
+            await self._evict(slot, chosen[0], reason="capacity")
+
+    async def _evict(self, slot: TierSlot, key: str, reason: str) -> None:
+        """Write ``key`` back below if that tier is write-back, then drop it from ``slot``.
+        The eviction policy has already let go of it."""
+        below = self._below(slot)
+        if below is not None and below.write_mode == "write_back":
+            with contextlib.suppress(TierError):
+                if not (await below.tier.contains_many([key]))[0]:
+                    raw = await slot.tier.get(key)
+                    if raw is not None:
+                        await self._write_tier(below, key, raw, demotion=True)
+        if await slot.tier.delete(key):
+            self.events.evicted(slot.name, reason)
+            if self.directory is not None:
+                await self._unpublish(slot.name, [key])
+        self._forget_info(key)
+
+    async def _write_tier(
+        self,
+        slot: TierSlot,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        demotion: bool = False,
+        force: bool = False,
+        why: list[str] | None = None,
+    ) -> bool:
+        """Admit, make room and store into one tier. False when refused; then ``why``
+        (when given) gets the reason: refused, too_large, full or io."""
+        n = memoryview(data).nbytes
+        name = slot.name
+        why = why if why is not None else []
+        if not force and key not in self._pinned[name] and not slot.admission.admit(key, n):
+            self.events.refused(name)
+            why.append("refused")
+            return False
+        if not slot.tier.fits(n):
+            self.events.write_failed(name, "too_large")
+            why.append("too_large")
+            return False
+        t0 = time.perf_counter()
+        async with self._locks[name]:
+            try:
+                if slot.tier.size_of(key) is not None:
+                    # Content-addressed: the tier already holds these bytes. Rewriting
+                    # would risk the copy (and a pinned one) for nothing.
+                    slot.eviction.on_access(key)
+                    return True
+                await self._make_room(slot, n)
+                await slot.tier.put(key, data)
+            except TierFull as e:
+                self.events.write_failed(slot.name, "full")
+                log.warning("%s refused %s: %s", slot.name, key, e)
+                why.append("full")
+                return False
+            except TierError as e:
+                self.events.write_failed(slot.name, "io")
+                log.warning("%s write of %s failed: %s", slot.name, key, e)
+                why.append("io")
+                return False
+            slot.eviction.on_remove(key)  # a replaced key is re-tracked once
+            self._track(slot, key, n)
+        self.events.stored(name, n, time.perf_counter() - t0)
+        if self.directory is not None:
+            await self._publish(name, [key])
+        return True
+
+    # ---------------------------------------------------------------- write path
+
+    async def put(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        info: EntryInfo | None = None,
+        wait: bool = False,
+    ) -> bool:
+        """Store an encoded chunk. Returns once the top tier that admitted it holds it;
+        with ``wait`` also after write-through copies land (durability). ``info``
+        defaults to the prefix information in the chunk's header."""
+        if info is None:
+            info = header_info(data)
+        if info is not None:
+            self._info[key] = info
+        top = self.slots[0]
+        if top.tier.size_of(key) is not None:
+            # Chunks are content-addressed (the key hashes the tokens and the model), so
+            # a second put of a resident key is a touch, not a rewrite. Write-through
+            # tiers that still lack it get another admission chance (frequency admission).
+            top.eviction.on_access(key)
+            lacking = [
+                s
+                for s in self.slots[1:]
+                if (s.write_mode == "write_through" or self._is_pinned(s.name, key))
+                and s.tier.size_of(key) is None
+            ]
+            resident = await top.tier.get(key) if lacking else None
+            if resident is not None:
+                pending = [self._write_tier_bg(s, key, bytes(resident)) for s in lacking]
+                if wait:
+                    await asyncio.gather(*pending)
+                else:
+                    for job in pending:
+                        self._spawn(job)
+            return True
+        raw = bytes(data) if not isinstance(data, bytes) else data
+        stored = False
+        why: list[str] = []
+        through: list[Awaitable[None]] = []
+        for i, slot in enumerate(self.slots):
+            if i == 0 or not stored:
+                stored = await self._write_tier(slot, key, raw, why=why) or stored
+                continue
+            if slot.write_mode == "write_through" or self._is_pinned(slot.name, key):
+                through.append(self._write_tier_bg(slot, key, raw))
+        if not stored:
+            self._dropped(key, len(raw), why)
+        if wait:
+            await asyncio.gather(*through)
+        else:
+            for c in through:
+                self._spawn(c)
+        return stored
+
+    def _dropped(self, key: str, nbytes: int, why: Sequence[str]) -> None:
+        """A put no tier took: counted, and logged once per reason (never silent). The
+        reason is the most telling of the tiers' refusals."""
+        reason = next((r for r in ("io", "full", "too_large", "refused") if r in why), "refused")
+        self.events.dropped(reason)
+        if reason not in self._dropped_logged:
+            self._dropped_logged.add(reason)
+            caps = ", ".join(
+                f"{s.name} {s.tier.usage().capacity_bytes or 'unbounded'} B" for s in self.slots
+            )
+            log.warning(
+                "chunk %s (%d B) stored in no tier (%s; tiers: %s); counted in "
+                "tiered_cache_chunks_dropped_total{reason=%s}, logged once",
+                key, nbytes, reason, caps, reason,
+            )
+
+    async def _write_tier_bg(self, slot: TierSlot, key: str, raw: bytes) -> None:
+        await self._write_tier(slot, key, raw)
+
+    async def flush(self) -> None:
+        """Wait for pending background writes (write-through, promotions)."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def delete(self, key: str, tiers: Iterable[str] | None = None) -> None:
+        for slot in self.slots:
+            if tiers is not None and slot.name not in tiers:
+                continue
+            async with self._locks[slot.name]:
+                slot.eviction.on_remove(key)
+                removed = await slot.tier.delete(key)
+            if removed:
+                self.events.evicted(slot.name, "delete")
+                await self._unpublish(slot.name, [key])
+        self._forget_info(key)
+
+    def _forget_info(self, key: str) -> None:
+        """Drop ``key``'s prefix information once no tier here holds it (bounded memory)."""
+        if key in self._info and all(s.tier.size_of(key) is None for s in self.slots):
+            del self._info[key]
+
+    # ---------------------------------------------------------------- admin
+
+    def usage(self) -> dict[str, dict[str, int | None]]:
+        out: dict[str, dict[str, int | None]] = {}
+        for s in self.slots:
+            u = s.tier.usage()
+            out[s.name] = {
+                "used_bytes": u.used_bytes,
+                "capacity_bytes": u.capacity_bytes,
+                "chunks": u.num_chunks,
+                "pinned_bytes": self.pinned_bytes(s.name),
+            }
+            self.events.usage(s.name, u.used_bytes, u.capacity_bytes)
+        return out
+
+    async def republish(self) -> None:
+        """Refresh this node's directory entries (their TTLs let dead nodes age out)."""
+        for s in self.slots:
+            keys = [k for k, _ in s.tier.entries()]
+            for i in range(0, len(keys), 1000):
+                await self._publish(s.name, keys[i : i + 1000])
+
+    async def close(self) -> None:
+        await self.flush()
+        for s in self.slots:
+            await s.tier.close()
