@@ -42,7 +42,12 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import ValidationError
 
-from tiered_cache.config import CacheConfig, ConfigError, format_validation_error
+from tiered_cache.config import (
+    CacheConfig,
+    ConfigError,
+    EnvSubstitution,
+    format_validation_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,18 +172,6 @@ def is_lmcache_config(data: Mapping[str, Any], where: str) -> bool:
     return bool(theirs)
 
 
-def _expand(v: Any) -> Any:
-    """${VAR} expansion inside our own section, as load_config does for our YAML (LMCache
-    itself expands nothing, so its keys are left alone)."""
-    if isinstance(v, str):
-        return os.path.expandvars(v)
-    if isinstance(v, list):
-        return [_expand(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _expand(x) for k, x in v.items()}
-    return v
-
-
 def _assert_text(e: AssertionError) -> str:
     """LMCache validates with bare asserts; the failing line names the key."""
     if str(e):
@@ -258,7 +251,14 @@ class _Mapper:
         tc_raw = extra.get("tiered_cache") or {}
         if not isinstance(tc_raw, Mapping):
             raise self.err("extra_config", "tiered_cache must be a mapping")
-        tc: dict[str, Any] = _expand(copy.deepcopy(dict(tc_raw)))
+        # ${VAR} inside our own section, as load_config does for our YAML (LMCache itself
+        # expands nothing, so its keys are left alone).
+        env = EnvSubstitution(copy.deepcopy(dict(tc_raw)))
+        if env.errors:
+            raise ConfigError(
+                f"{self.where}: " + "; ".join(f"extra_config.tiered_cache.{x}" for x in env.errors)
+            )
+        tc: dict[str, Any] = env.data
         for path, owner in _OWNED.items():
             node: Any = tc
             for part in path:
@@ -296,7 +296,8 @@ class _Mapper:
         except ValidationError as e:
             # Everything LMCache-derived was checked above, so what is left is ours.
             raise ConfigError(
-                f"{self.where}: {format_validation_error(e, 'extra_config.tiered_cache')}"
+                f"{self.where}: "
+                f"{format_validation_error(e, 'extra_config.tiered_cache', env=env)}"
             ) from None
 
     def _size(self, name: str) -> float:

@@ -333,6 +333,7 @@ def test_shipped_lmcache_configs_load(
     name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("REDIS_PASSWORD", "s3cret")
+    monkeypatch.setenv("TC_PEER_SECRET", "0123456789abcdef")  # multi-node files
     want = SHIPPED[name]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         cfg = load_config(CONFIGS / name)
@@ -710,3 +711,26 @@ def _scheduler_connector(extra: dict[str, Any]) -> Any:
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
     )
     return mod.TieredCacheConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_our_section_takes_env_values_as_strings_and_never_quotes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``extra_config.tiered_cache`` substitutes ``${VAR}`` as our own YAML does: an unset
+    variable is an error naming it, and a bad value is reported without quoting it."""
+    text = """\
+chunk_size: 256
+local_cpu: true
+max_local_cpu_size: 1.0
+extra_config:
+  tiered_cache:
+    redis_url: "${TC_TEST_REDIS}"
+"""
+    p = write(tmp_path, text)
+    monkeypatch.delenv("TC_TEST_REDIS", raising=False)
+    with pytest.raises(ConfigError, match="TC_TEST_REDIS is not set"):
+        load_config(p)
+    monkeypatch.setenv("TC_TEST_REDIS", "hunter2-secret-password")  # not a URL
+    with pytest.raises(ConfigError, match="redis_url") as ei:
+        load_config(p)
+    assert "hunter2" not in str(ei.value)

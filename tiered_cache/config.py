@@ -1,12 +1,15 @@
 """Configuration schema (pydantic): unknown keys and bad values are errors naming the key.
 
 Sizes accept integers (bytes) or strings with units: ``512MiB``, ``4GiB``, ``1.5GB``.
+String values in a YAML file may reference the environment: ``${VAR}``, ``${VAR:-default}``
+(``$${`` for a literal ``${``), expanded after parsing (``EnvSubstitution``).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 from collections.abc import Mapping
 from importlib.metadata import entry_points
@@ -19,10 +22,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
+
+from tiered_cache.private_dir import default_runtime_dir
 
 _UNITS = {
     "": 1,
@@ -80,6 +86,8 @@ def _slot_size(v: Any) -> int:
     if isinstance(v, str) and v.strip().lower() == "auto":
         return 0
     return parse_size(v)
+
+
 EvictionName = str
 WriteMode = Literal["write_through", "write_back"]
 
@@ -120,11 +128,14 @@ class DramConfig(TierPolicy):
     slot_bytes: Annotated[int, BeforeValidator(_slot_size)] = 0
     shm_name: str | None = None
     verify_reads: bool = False
+    # A clean stop (SIGTERM) leaves the pool for the next agent to adopt (a warm restart);
+    # false (or `tiered-cache agent --drop-dram`) removes it.
+    keep_on_stop: bool = True
 
 
 class NvmeConfig(TierPolicy):
     enabled: bool = False
-    path: str = "/tmp/tiered-cache/nvme"
+    path: str = Field(default_factory=lambda: os.path.join(default_runtime_dir(), "nvme"))
     capacity: Size = parse_size("10GiB")
     write_mode: WriteMode = "write_back"
     o_direct: bool = False
@@ -153,7 +164,7 @@ class S3Config(TierPolicy):
 
 
 class AgentConfig(_Strict):
-    socket: str | None = None  # default: /tmp/tiered-cache-<node_id>.sock
+    socket: str | None = None  # default: <runtime dir>/<node_id>.sock (private_dir.py)
     peer_host: str = "127.0.0.1"  # the address the peer port binds
     peer_port: int | None = Field(None, ge=0, le=65535)
     # The address other nodes reach the peer port at, published in the directory. Default:
@@ -167,11 +178,34 @@ class AgentConfig(_Strict):
     # A pin list (the YAML `tiered-cache pin export` writes) the agent imports at start-up
     # and on SIGHUP, as `tiered-cache pin import FILE` does (without --prune).
     pin_file: str | None = None
+    # The peer port (docs/operations.md, "Peer port security"): a secret shared by every
+    # node (set it from the environment: ``${TC_PEER_SECRET}``) makes each connection
+    # start with a mutual HMAC handshake; without one the port serves anyone reaching it.
+    peer_secret: SecretStr | None = None
+    peer_handshake_timeout_s: float = Field(5.0, gt=0)
+    peer_idle_timeout_s: float = Field(30.0, gt=0)  # no complete request for this long
+    peer_max_connections: int = Field(256, ge=1)
+
+    @field_validator("peer_secret")
+    @classmethod
+    def _peer_secret(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None:
+            return None
+        s = v.get_secret_value()
+        unset = re.fullmatch(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", s.strip())
+        if unset:  # a loader that leaves an unset variable as written (LMCache's)
+            raise ValueError(
+                f"environment variable {unset.group(1)} is not set (export the cluster's"
+                " shared secret on every node, or remove peer_secret)"
+            )
+        if len(s) < 16:  # a short key falls to an offline guess from one handshake
+            raise ValueError("must be at least 16 characters (e.g. `openssl rand -hex 32`)")
+        return v
 
     @field_validator("pin_file")
     @classmethod
     def _pin_file(cls, v: str | None) -> str | None:
-        # ${VAR} is expanded with the rest of the file; ~ here.
+        # ${VAR} is expanded by EnvSubstitution (file values); ~ here.
         if v is not None and not v.strip():
             raise ValueError("must be a path to a pin file (or leave it out)")
         return os.path.expanduser(v) if v is not None else None
@@ -196,16 +230,20 @@ class CacheConfig(_Strict):
         if not (self.dram.enabled or self.nvme.enabled or self.s3.enabled):
             raise ValueError("enable at least one tier (dram, nvme or s3)")
         if self.redis_url and not re.match(r"^(rediss?|unix|redis\+cluster)://", self.redis_url):
+            # Quote only a real scheme: text before the first ':' of a scheme-less value
+            # may be a user name or a password (e.g. from ${REDIS_URL}).
+            m = re.match(r"^([A-Za-z][A-Za-z0-9+.\-]*)://", self.redis_url)
+            got = f"got scheme {m.group(1)!r}" if m else "got no scheme"
             raise ValueError(
-                f"redis_url must start with redis://, rediss://, unix:// or redis+cluster://"
-                f" (got scheme of {self.redis_url.split(':', 1)[0]!r})"
+                "redis_url must start with redis://, rediss://, unix:// or redis+cluster://"
+                f" ({got})"
             )
         return self
 
     @property
     def socket_path(self) -> str:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.node_id)
-        return self.agent.socket or os.path.join("/tmp", f"tiered-cache-{safe}.sock")
+        return self.agent.socket or os.path.join(default_runtime_dir(), f"{safe}.sock")
 
     @property
     def dram_shm_name(self) -> str:
@@ -217,16 +255,141 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the key."""
 
 
-def format_validation_error(e: ValidationError, prefix: str = "") -> str:
-    """``loc: message`` per error; ``prefix`` names where the validated mapping sits."""
+def format_validation_error(
+    e: ValidationError, prefix: str = "", env: EnvSubstitution | None = None
+) -> str:
+    """``loc: message`` per error; ``prefix`` names where the validated mapping sits.
+    ``env``: the substitution that produced the input, whose values are redacted."""
     parts = []
     for err in e.errors():
         loc = ".".join([prefix] * bool(prefix) + [str(x) for x in err["loc"]]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+        if env is not None:
+            msg = env.redact(msg, err["loc"])
         parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
+
+
+# ${NAME} or ${NAME:-default}; $${ escapes. The body is checked apart, so that anything else
+# in ${...} is an error rather than text left as it is.
+_REF_RE = re.compile(r"\$(\$?)\{([^}]*)(\}?)")
+_BODY_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
+
+
+# A well-formed reference as written in the file. Its default holds no quote or backslash:
+# those are YAML escapes, so such a reference is left to YAML and read after parsing.
+_TEXT_REF_RE = re.compile(r"\$?\$\{[A-Za-z_][A-Za-z0-9_]*(?::-[^}\n'\"\\]*)?\}")
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    """``text`` parsed with its ``${...}`` references kept as written. Each is masked by a
+    plain word of its own length while YAML parses, so one may stand unquoted in a flow
+    mapping (``{url: ${URL}}``, where ``{`` would be structure), then put back in keys and
+    values; a YAML error quotes the file's text with the same columns."""
+    masks: dict[str, str] = {}
+
+    def mask(m: re.Match[str]) -> str:
+        # "z" first: no YAML scalar type (bool, null, number, date) starts with it.
+        while True:
+            word = "z" + secrets.token_hex(len(m.group(0)))[: len(m.group(0)) - 1]
+            if word not in text and not any(word in w or w in word for w in masks):
+                masks[word] = m.group(0)
+                return word
+
+    masked = _TEXT_REF_RE.sub(mask, text)
+    # (?!) matches nothing: without masks an empty pattern would match every "".
+    found = re.compile("|".join(map(re.escape, sorted(masks, key=len, reverse=True))) or "(?!)")
+
+    def unmask(v: Any) -> Any:
+        if isinstance(v, str):
+            return found.sub(lambda m: masks[m.group(0)], v)
+        if isinstance(v, list):
+            return [unmask(x) for x in v]
+        if isinstance(v, dict):
+            return {unmask(k): unmask(x) for k, x in v.items()}
+        return v
+
+    try:
+        return unmask(yaml.safe_load(masked))
+    except yaml.YAMLError as e:
+        if isinstance(e, yaml.MarkedYAMLError):
+            for mark in (e.context_mark, e.problem_mark):
+                if mark is not None and mark.buffer is not None:
+                    mark.buffer = text + "\0"  # the snippet from the file as written
+        raise ConfigError(f"{where}: invalid YAML: {unmask(str(e))}") from None
+
+
+class EnvSubstitution:
+    """``${VAR}`` references in the string values of a parsed config tree, replaced from
+    ``os.environ`` (``data``). Substituting after parsing keeps an environment value one
+    string (never YAML structure); the schema coerces it (``"8080"`` to an int field).
+
+    ``errors`` lists unset variables and malformed references by key path; ``redact``
+    takes substituted values back out of an error message."""
+
+    def __init__(self, tree: Any, environ: Mapping[str, str] | None = None) -> None:
+        self._env = os.environ if environ is None else environ
+        self.errors: list[str] = []
+        # key path -> (text that may be quoted, what to show instead), per substituted value
+        self._secrets: list[tuple[tuple[str, ...], str, str]] = []
+        self.data = self._walk(tree, ())
+
+    def _walk(self, v: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(v, str):
+            return self._string(v, path) if "${" in v else v
+        if isinstance(v, list):
+            return [self._walk(x, (*path, str(i))) for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            return {k: self._walk(x, (*path, str(k))) for k, x in v.items()}
+        return v
+
+    def _string(self, text: str, path: tuple[str, ...]) -> str:
+        where = ".".join(path) or "(top level)"
+        used: list[tuple[str, str]] = []
+
+        def one(m: re.Match[str]) -> str:
+            if m.group(1):  # $${...}: the literal ${...}
+                return m.group(0)[1:]
+            ref = _BODY_RE.fullmatch(m.group(2))
+            if not m.group(3) or not ref:
+                self.errors.append(
+                    f"{where}: bad reference {m.group(0)!r}: use ${{VAR}} or ${{VAR:-default}}"
+                    " ($${ for a literal ${)"
+                )
+                return m.group(0)
+            name, default = ref.group(1), ref.group(2)
+            value = self._env.get(name)
+            if value is None or (value == "" and default is not None):
+                if default is None:
+                    self.errors.append(f"{where}: environment variable {name} is not set")
+                    return m.group(0)
+                return default
+            used.append((value, f"${{{name}}}"))
+            return value
+
+        out = _REF_RE.sub(one, text)
+        if used:
+            for secret, shown in [(out, text), *used]:
+                self._secrets += [
+                    (path, form, shown) for form in {secret, repr(secret)[1:-1]} if form
+                ]
+        return out
+
+    def redact(self, msg: str, loc: tuple[int | str, ...] = ()) -> str:
+        """``msg`` (an error at key path ``loc``) with each environment value substituted
+        at, above or below ``loc`` replaced by its reference: a validator may quote its
+        own input, or a whole model's. Longest first, so a value is never half-replaced."""
+        at = tuple(str(x) for x in loc)
+        near = [
+            (form, shown)
+            for path, form, shown in self._secrets
+            if path[: len(at)] == at or at[: len(path)] == path
+        ]
+        for form, shown in sorted(near, key=lambda fs: -len(fs[0])):
+            msg = msg.replace(form, shown)
+        return msg
 
 
 FORMATS_GROUP = "tiered_cache.config_formats"
@@ -259,6 +422,7 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -
         source = os.environ["LMCACHE_CONFIG_FILE"]
         if not Path(source).is_file():
             raise ConfigError(f"config file not found: {source} (from LMCACHE_CONFIG_FILE)")
+    env: EnvSubstitution | None = None  # a dict (inline or an adapter's) is taken as it is
     if source is None:
         data: Any = {}
         where = "defaults"
@@ -268,12 +432,12 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -
         p = Path(source)
         where = str(p)
         try:
-            # ${VAR} references are expanded from the environment (secrets stay out of files).
-            data = yaml.safe_load(os.path.expandvars(p.read_text())) or {}
+            text = p.read_text()
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {p}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: invalid YAML: {e}") from None
+        # Parsed as written: ${VAR} is substituted below, into string values only, so an
+        # environment value (a secret) is never YAML and never quoted in a YAML error.
+        data = _parse_yaml(text, where) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
         for fmt in config_formats():
@@ -281,7 +445,11 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any] | None = None) -
                 return fmt.load(p)
         if "tiered_cache" in data and isinstance(data["tiered_cache"], dict):
             data = data["tiered_cache"]
+        env = EnvSubstitution(data)
+        if env.errors:
+            raise ConfigError(f"{where}: " + "; ".join(env.errors))
+        data = env.data
     try:
         return CacheConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{where}: {format_validation_error(e)}") from None
+        raise ConfigError(f"{where}: {format_validation_error(e, env=env)}") from None
