@@ -22,6 +22,10 @@ class IPCError(Exception):
     """The peer answered with an error, or the connection broke."""
 
 
+class FrameTooLarge(IPCError):
+    """A frame announced more bytes than the reader accepts: refused before reading it."""
+
+
 class ConnectionLost(IPCError, ConnectionError):
     """The peer went away mid-conversation (restart, crash), or did not answer in time
     (``timed_out``). Either way the stream is out of step: the caller must close it."""
@@ -36,14 +40,18 @@ def pack(msg: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def read_msg(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+async def read_msg(
+    reader: asyncio.StreamReader, max_frame: int = MAX_FRAME
+) -> dict[str, Any] | None:
+    """One frame, or None at end of stream; ``max_frame`` bounds what a frame may announce
+    (the peer server's requests are small: a larger one is refused unread)."""
     try:
         head = await reader.readexactly(4)
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
     (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise IPCError(f"frame of {n} bytes exceeds limit")
+    if n > max_frame:
+        raise FrameTooLarge(f"frame of {n} bytes exceeds limit of {max_frame}")
     body = await reader.readexactly(n)
     msg = msgpack.unpackb(body, raw=False)
     if not isinstance(msg, dict):
@@ -66,11 +74,13 @@ async def sock_recv_exact(
     return buf
 
 
-async def sock_read_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, Any]:
+async def sock_read_msg(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, max_frame: int = MAX_FRAME
+) -> dict[str, Any]:
     """One frame from a non-blocking socket (the peer puller's side of ``read_msg``)."""
     (n,) = _LEN.unpack(await sock_recv_exact(loop, sock, 4))
-    if n > MAX_FRAME:
-        raise IPCError(f"frame of {n} bytes exceeds limit")
+    if n > max_frame:
+        raise FrameTooLarge(f"frame of {n} bytes exceeds limit of {max_frame}")
     msg = msgpack.unpackb(await sock_recv_exact(loop, sock, n), raw=False)
     if not isinstance(msg, dict):
         raise IPCError("frame is not a mapping")

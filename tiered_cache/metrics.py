@@ -109,6 +109,13 @@ class Metrics:
         self.peer_transfers = Counter(
             p + "peer_transfers", "Chunks moved between nodes", ["direction"], registry=r
         )
+        self.peer_connections_closed = Counter(
+            p + "peer_connections_closed",
+            "Peer-port connections the agent closed (reason: auth_failed, handshake_timeout, "
+            "over_cap, frame_too_large, bad_frame, idle_timeout)",
+            ["reason"],
+            registry=r,
+        )
         self.s3_retries = Counter(p + "s3_retries", "S3 requests retried", registry=r)
         # What the read path believes each source costs (tiered_cache.estimates).
         self.source_latency = Gauge(

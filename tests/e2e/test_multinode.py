@@ -60,7 +60,7 @@ def _agent_cfg(
         "dram": {"capacity": "32MiB", "slot_bytes": "512KiB"},  # a chunk is 256 KiB
         "s3": s3,
         "agent": {"socket": socket or str(root / f"{node_id}.sock"),
-                  "usage_log_interval_s": 30},
+                  "usage_log_interval_s": 30, "peer_secret": "e2e-multinode-peer-secret"},
     }
     if redis_url:
         cfg["redis_url"] = redis_url

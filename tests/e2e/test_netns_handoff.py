@@ -65,7 +65,7 @@ def nodes(
                 "redis_url": f"redis://redis.internal:{redis_port}/0",
                 "dram": {"capacity": "512MiB"},  # default slot size: auto
                 "agent": {"socket": str(root / f"{node}.sock"), "peer_host": "0.0.0.0",
-                          "peer_port": 7480},
+                          "peer_port": 7480, "peer_secret": "e2e-netns-peer-secret"},
             })  # fmt: skip
             a.prefix = net.prefix(node)
             agents[node] = a.start()
