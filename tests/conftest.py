@@ -229,3 +229,25 @@ def agent(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+# Pools and indexes the tests' agents leave in /dev/shm: a clean stop keeps the DRAM pool
+# for a warm restart, and so does a crash. Each module's are removed once its fixtures
+# (agents, vLLM servers) are torn down, so a full run never holds more than one module's.
+_SHM = Path("/dev/shm")
+_OUR_SHM = ("tiered_cache_", "tc_", "tcns_", "tcpa_", "tcb_", "tcserve_")
+
+
+def _our_shm() -> set[str]:
+    try:
+        return {p.name for p in _SHM.iterdir() if p.name.startswith(_OUR_SHM)}
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_module_pools() -> Iterator[None]:
+    before = _our_shm()
+    yield
+    for name in _our_shm() - before:
+        (_SHM / name).unlink(missing_ok=True)

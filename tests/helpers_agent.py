@@ -4,7 +4,9 @@ fixture is in conftest.py)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +42,28 @@ def payload(i: int, n: int = N) -> bytes:
     return np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8).tobytes()
 
 
+# The DRAM pools of the configs written here: an agent keeps its pool when it stops
+# (a warm restart), so the test session removes them when it ends.
+_POOLS: set[str] = set()
+
+
+def pool_name(cfg: dict[str, Any]) -> str:
+    """The pool's shared-memory name, as ``CacheConfig.dram_shm_name`` makes it."""
+    dram = cfg.get("dram") or {}
+    return dram.get("shm_name") or "tiered_cache_" + re.sub(r"[^A-Za-z0-9_]", "_", cfg["node_id"])
+
+
+def drop_pool(name: str) -> None:
+    for seg in (name, f"{name}_ix"):
+        Path("/dev/shm", seg).unlink(missing_ok=True)
+
+
+@atexit.register
+def _drop_pools() -> None:
+    for name in _POOLS:
+        drop_pool(name)
+
+
 def write_cfg(tmp: Path, **over: Any) -> Path:
     """``tmp/cfg.yaml``: a small DRAM pool over a write-back NVMe tier, a socket in
     ``tmp``; top-level sections in ``over`` replace the defaults'."""
@@ -55,6 +79,7 @@ def write_cfg(tmp: Path, **over: Any) -> Path:
         "agent": {"socket": str(tmp / "agent.sock"), "usage_log_interval_s": 1},
     }
     cfg.update(over)
+    _POOLS.add(pool_name(cfg))
     p = tmp / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -14,7 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from helpers_agent import FP, cli, meta, payload, start_agent, write_cfg
+from helpers_agent import (
+    FP,
+    cli,
+    drop_pool,
+    meta,
+    payload,
+    pool_name,
+    socket_of,
+    start_agent,
+    write_cfg,
+)
 
 from tiered_cache.client import AgentClient, open_store, shutdown_embedded
 from tiered_cache.keys import chunk_keys
@@ -61,7 +73,7 @@ def test_dead_client_releases_its_slots(agent: tuple[Path, subprocess.Popen[str]
 
 def test_sigterm_writes_back_and_restart_serves(tmp_path: Path) -> None:
     cfg = write_cfg(tmp_path)
-    proc = start_agent(cfg)
+    proc = start_agent(cfg, "--drop-dram")  # the restart finds the chunks on NVMe only
     sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
     c = AgentClient(sock)
     keys = chunk_keys(np.arange(32 * 5), FP)
@@ -163,6 +175,7 @@ def test_open_store_starts_embedded_agent(tmp_path: Path) -> None:
         s2.close()
     finally:
         shutdown_embedded()
+        drop_pool(pool_name(extra["tiered_cache"]))  # kept by the clean stop
 
 
 def test_cli_pins_through_agent(agent: tuple[Path, subprocess.Popen[str]]) -> None:
@@ -243,8 +256,9 @@ def test_client_survives_agent_restart(tmp_path: Path) -> None:
     proc.communicate(timeout=30)
     proc = start_agent(cfg)
     try:
-        # Same client object: it reconnects, and the written-back chunk is still served.
-        assert c.lookup(keys) == ["nvme"]
+        # Same client object: it reconnects (to the kept DRAM pool), and the chunk is
+        # still served.
+        assert c.lookup(keys) == ["dram"]
         # The new agent (no Redis: an empty directory) has the client's fingerprint again.
         assert [m["model_id"] for m in c.admin("models")["models"]] == ["agent-test"]
         c.put_many([(meta(keys[1]), payload(1))])
@@ -337,3 +351,148 @@ def test_a_client_stash_leaves_room_in_a_small_pool(
         assert c.lookup(keys) == ["dram"] * 8
     finally:
         c.close()
+
+
+def _dram_only(tmp_path: Path) -> Path:
+    """32 slots of 128 KiB, no tier below: a chunk not in the pool is gone."""
+    return write_cfg(
+        tmp_path, dram={"capacity": "4MiB", "slot_bytes": "128KiB"}, nvme={"enabled": False}
+    )
+
+
+@pytest.mark.parametrize(
+    ("sig", "args", "kept"),
+    [("SIGTERM", (), True), ("SIGKILL", (), True), ("SIGTERM", ("--drop-dram",), False)],
+    ids=["sigterm-keeps", "kill9-keeps", "sigterm-drop-dram"],
+)
+def test_restart_finds_the_dram_pool(
+    tmp_path: Path, sig: str, args: tuple[str, ...], kept: bool
+) -> None:
+    """A planned restart keeps the DRAM cache as a crash does (issue 15, item 13): all 20
+    chunks, byte-exact; ``--drop-dram`` removes the pool on a clean stop."""
+    cfg = _dram_only(tmp_path)
+    sock = socket_of(cfg)
+    pool = Path("/dev/shm", pool_name(yaml.safe_load(cfg.read_text())))
+    keys = chunk_keys(np.arange(32 * 20), FP)
+    proc = start_agent(cfg, *args)
+    # Connected through the stop, holding the slots the agent stashes for its next put:
+    # a clean stop must release them, and they must not come back as chunks.
+    c = AgentClient(sock)
+    c.put_many([(meta(k), payload(i)) for i, k in enumerate(keys)])
+    assert c.lookup(keys) == ["dram"] * 20
+    assert stat.S_IMODE(pool.stat().st_mode) == 0o600
+    proc.send_signal(getattr(signal, sig))
+    out, _ = proc.communicate(timeout=30)
+    c.close()
+    if sig == "SIGTERM":
+        assert proc.returncode == 0, out
+        assert "ERROR" not in out and "Traceback" not in out, out
+        assert ("with 20 chunks for the next start" in out) == kept, out
+    assert pool.exists() == kept
+    proc = start_agent(cfg)
+    try:
+        c = AgentClient(sock)
+        got = c.get_many(keys, FP.digest)
+        if kept:
+            assert c.lookup(keys) == ["dram"] * 20
+            assert [bytes(g[1]) if g else None for g in got] == [payload(i) for i in range(20)]
+        else:
+            assert c.lookup(keys) == [] and got == [None] * 20
+        c.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ------------------------------------------------- the private runtime directory (issue 15, 9)
+
+
+@pytest.fixture
+def default_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A config with the default socket and NVMe path, and the runtime directory they
+    fall in (``TIERED_CACHE_RUNTIME_DIR``, here and in the agent: /tmp is shared)."""
+    rundir = tmp_path / "run"
+    monkeypatch.setenv("TIERED_CACHE_RUNTIME_DIR", str(rundir))
+    cfg = write_cfg(tmp_path, nvme={"enabled": True, "write_mode": "write_through"}, agent={})
+    return cfg, rundir
+
+
+def _mode(path: str | Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_default_runtime_dir_is_per_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiered_cache.config import load_config
+
+    monkeypatch.delenv("TIERED_CACHE_RUNTIME_DIR", raising=False)
+    cfg = load_config({"node_id": "n1"})
+    rundir = f"/tmp/tiered-cache-{os.geteuid()}"
+    assert (cfg.socket_path, cfg.nvme.path) == (f"{rundir}/n1.sock", f"{rundir}/nvme")
+
+
+def test_default_paths_are_in_a_private_runtime_dir(default_paths: tuple[Path, Path]) -> None:
+    """Without agent.socket and nvme.path the agent makes its runtime directory 0700 and
+    puts its socket (0600) and NVMe files (0600, directories 0700) in it."""
+    cfg, rundir = default_paths
+    node = yaml.safe_load(cfg.read_text())["node_id"]
+    sock = rundir / f"{node}.sock"
+    old = os.umask(0o022)  # what the agent inherits: the modes must not depend on it
+    try:
+        proc = start_agent(cfg)
+    finally:
+        os.umask(old)
+    try:
+        assert _mode(rundir) == 0o700 and os.stat(rundir).st_uid == os.geteuid()
+        assert _mode(sock) == 0o600
+        assert _mode(rundir / "nvme") == 0o700
+        k = chunk_keys(np.arange(32), FP)[0]
+        c = AgentClient(str(sock))
+        try:
+            c.put_many([(meta(k), payload(0))], wait=True)
+            chunk = rundir / "nvme" / k[:2] / f"{k}.kvc"
+            deadline = time.monotonic() + 10  # written through in the background
+            while not chunk.exists():
+                assert time.monotonic() < deadline, "the chunk never reached NVMe"
+                time.sleep(0.02)
+            assert _mode(chunk) == 0o600 and _mode(chunk.parent) == 0o700
+        finally:
+            c.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+
+
+@pytest.mark.parametrize(
+    ("owner", "mode", "msg"),
+    [(65534, 0o777, "belongs to uid 65534, not to this user"), (None, 0o755, "open to other")],
+    ids=["another-owner", "group-other-access"],
+)
+def test_a_squatted_runtime_dir_stops_the_agent(
+    default_paths: tuple[Path, Path], owner: int | None, mode: int, msg: str
+) -> None:
+    """A runtime directory someone else made (or one open to others) is refused with one
+    line, before anything is created in it."""
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("giving a directory away needs root")
+    cfg, rundir = default_paths
+    rundir.mkdir()
+    if owner is not None:
+        os.chown(rundir, owner, owner)
+    os.chmod(rundir, mode)
+    r = cli("agent", "-c", str(cfg))
+    assert r.returncode != 0
+    assert msg in r.stderr and str(rundir) in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert os.listdir(rundir) == []
+
+
+def test_runtime_dir_must_be_a_real_directory(tmp_path: Path) -> None:
+    from tiered_cache.private_dir import UnsafePath, ensure_private_dir
+
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafePath, match="not a directory"):
+        ensure_private_dir(str(tmp_path / "link"))
+    ensure_private_dir(str(tmp_path / "fresh"))
+    assert _mode(tmp_path / "fresh") == 0o700

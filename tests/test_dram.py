@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
+import os
+import stat
 import uuid
+from multiprocessing import shared_memory
+from pathlib import Path
 
 import pytest
 
 from tiered_cache import codec
+from tiered_cache.private_dir import UnsafePath
 from tiered_cache.tiers.base import TierFull
 from tiered_cache.tiers.dram import DRAMTier, attach_shm
 
@@ -182,3 +188,81 @@ def test_auto_slot_size_bounds_the_slot_count() -> None:
     assert auto_slot_bytes(2**30) == 64 * 2**10  # 1 GiB: 16,384 slots of 64 KiB
     assert auto_slot_bytes(64 * 2**30) == 2**20  # 64 GiB: 65,536 slots of 1 MiB
     assert auto_slot_bytes(2**20) == 64 * 2**10
+
+
+# ------------------------------------------- handing the pool over (issue 15, items 9 and 13)
+
+
+def _mode(name: str) -> int:
+    return stat.S_IMODE(os.stat(Path("/dev/shm", name)).st_mode)
+
+
+async def test_clean_close_hands_over_only_committed_chunks() -> None:
+    """``keep_on_close``: the next owner adopts every committed chunk, and neither a run
+    still reserved (though it holds a whole chunk) nor one deleted while leased."""
+    name = f"tc_test_{uuid.uuid4().hex[:8]}"
+    t = DRAMTier(8 * 4096, 4096, shm_name=name, recover=True, keep_on_close=True)
+    for i in (1, 2, 3):
+        await t.put(k(i), blob(k(i), n=3000, fill=i))
+    t.acquire(k(2))  # a reader that never releases: its run becomes a zombie ...
+    await t.delete(k(2))  # ... and must not come back
+    slot = t.reserve(4000)
+    whole = blob(k(4), n=3000, fill=4)
+    t.slot_view(slot)[: len(whole)] = whole  # written, never committed
+    await t.close()
+    assert _mode(name) == 0o600
+    r = DRAMTier(8 * 4096, 4096, shm_name=name, recover=True)
+    try:
+        assert await r.contains_many([k(1), k(2), k(3), k(4)]) == [True, False, True, False]
+        assert await r.get(k(3)) == blob(k(3), n=3000, fill=3)
+        assert r.free_slots == 6
+    finally:
+        await r.close()
+    assert not Path("/dev/shm", name).exists()
+
+
+def _plant(name: str, size: int) -> shared_memory.SharedMemory:
+    """A segment under ``name`` holding a valid chunk ``k(7)`` in slot 0, as a squatter
+    would leave it for an agent to adopt."""
+    shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+    planted = blob(k(7), fill=7)
+    assert shm.buf is not None
+    shm.buf[: len(planted)] = planted
+    return shm
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a segment away needs root")
+@pytest.mark.parametrize("what", ["pool", "index"])
+async def test_a_segment_of_another_user_is_refused(what: str) -> None:
+    """A pool (or index) under our name that another user owns is neither adopted nor
+    removed: the agent stops with an error that names it."""
+    name = f"tc_test_{uuid.uuid4().hex[:8]}"
+    seg = name if what == "pool" else f"{name}_ix"
+    shm = _plant(seg, 4 * 8192)
+    try:
+        os.fchown(shm._fd, 65534, 65534)  # type: ignore[attr-defined]
+        with pytest.raises(UnsafePath, match=f"/dev/shm/{seg} belongs to uid 65534"):
+            DRAMTier(4 * 8192, 8192, shm_name=name, recover=True)
+        assert Path("/dev/shm", seg).exists()
+        assert not Path("/dev/shm", name if what == "index" else f"{name}_ix").exists()
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+async def test_a_pool_open_to_others_is_replaced(caplog: pytest.LogCaptureFixture) -> None:
+    """Our own pool, but readable and writable by everyone (0666): its contents may have
+    been planted, so the agent starts with a fresh 0600 pool instead of adopting them."""
+    name = f"tc_test_{uuid.uuid4().hex[:8]}"
+    shm = _plant(name, 4 * 8192)
+    os.fchmod(shm._fd, 0o666)  # type: ignore[attr-defined]
+    shm.close()
+    with caplog.at_level(logging.WARNING, logger="tiered_cache.tiers.dram"):
+        t = DRAMTier(4 * 8192, 8192, shm_name=name, recover=True)
+    try:
+        assert await t.contains_many([k(7)]) == [False]
+        assert t.free_slots == 4
+        assert _mode(name) == 0o600
+        assert "was open to other users (mode 0666)" in caplog.text
+    finally:
+        await t.close()

@@ -54,7 +54,13 @@ class Store:
         self.root = root
         self.cfg: dict[str, Any] = {
             "node_id": f"lmc-{root.name[-20:]}".replace("/", "-"),
-            "dram": {"capacity": "8MiB", "slot_bytes": "512KiB", **tiers.get("dram", {})},
+            # keep_on_stop false: a restart loses DRAM (and no pool outlives the test).
+            "dram": {
+                "capacity": "8MiB",
+                "slot_bytes": "512KiB",
+                "keep_on_stop": False,
+                **tiers.get("dram", {}),
+            },
             "nvme": {
                 "enabled": True,
                 "path": str(root / "nvme"),

@@ -12,6 +12,7 @@ import mmap
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -482,3 +483,46 @@ async def test_concurrent_same_key_put_get_delete(nvme_dir: Path) -> None:
         assert got is not None and len(got) == disk[key]
         codec.decode(got, expect_key=key)
     await tier.close()
+
+
+# ------------------------------------------------------------ permissions (issue 15, item 9)
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+async def test_files_and_directories_are_private(tmp_path: Path) -> None:
+    """Chunks are prompts' KV: the root, its directories and every file are the owner's
+    alone (0700 / 0600), whatever the umask."""
+    root = tmp_path / "new" / "nvme"
+    old = os.umask(0o022)
+    try:
+        tier = NVMeTier(root, 10 << 20)
+        key, chunk = make_chunk(1, 5000)
+        await tier.put(key, chunk)
+        await tier.close()
+    finally:
+        os.umask(old)
+    assert _mode(root) == 0o700
+    assert {_mode(d) for d in root.iterdir() if d.is_dir()} == {0o700}
+    assert _mode(kvc(root, key)) == 0o600 and _mode(root / ".lock") == 0o600
+
+
+async def test_an_open_root_is_narrowed(nvme_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    os.chmod(nvme_dir, 0o755)
+    with caplog.at_level(logging.WARNING, logger="tiered_cache.tiers.nvme"):
+        tier = NVMeTier(nvme_dir, 10 << 20)
+    await tier.close()
+    assert _mode(nvme_dir) == 0o700
+    assert "was open to other users (mode 0755): made 0700" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory away needs root")
+def test_a_root_of_another_user_is_refused(nvme_dir: Path) -> None:
+    from tiered_cache.private_dir import UnsafePath
+
+    os.chown(nvme_dir, 65534, 65534)
+    with pytest.raises(UnsafePath, match="belongs to uid 65534"):
+        NVMeTier(nvme_dir, 10 << 20)
+    assert os.listdir(nvme_dir) == []  # nothing written into it

@@ -15,13 +15,14 @@ from typing import Any
 from policies import make_admission, make_eviction
 from tiered_cache.agent.admin import AdminOps
 from tiered_cache.agent.local import Handler, LocalServer
-from tiered_cache.agent.peers import PEER_STREAM_LIMIT, PeerLink
+from tiered_cache.agent.peers import PeerLink
 from tiered_cache.agent.sync import DirectorySync
 from tiered_cache.config import CacheConfig
 from tiered_cache.directory import Directory, LocalDirectory, ModelRegistration, RedisDirectory
 from tiered_cache.hierarchy import TieredStore, TierSlot
 from tiered_cache.metrics import Metrics
 from tiered_cache.netaddr import advertise_host
+from tiered_cache.private_dir import default_runtime_dir, ensure_private_dir, is_inside
 from tiered_cache.protocol import Request
 from tiered_cache.tiers.base import Tier
 
@@ -46,6 +47,7 @@ def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True
                     cfg.dram.slot_bytes,
                     shm_name=cfg.dram_shm_name,
                     recover=recover_dram,
+                    keep_on_close=cfg.dram.keep_on_stop,
                 ),
             )
         )
@@ -107,6 +109,11 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
 
     def __init__(self, cfg: CacheConfig, *, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
+        # The default socket and NVMe directory live in a private directory: checked to
+        # be ours before anything is created in it (private_dir.py).
+        rundir = default_runtime_dir()
+        if cfg.agent.socket is None or (cfg.nvme.enabled and is_inside(cfg.nvme.path, rundir)):
+            ensure_private_dir(rundir)
         # Read before any tier or socket exists: a pin file that cannot be used stops the
         # start-up with one error naming it.
         self._file_pins = self._read_pin_file()
@@ -160,15 +167,10 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         srv = await asyncio.start_unix_server(self._serve_local, path=path, start_serving=False)
-        os.chmod(path, 0o660)
+        os.chmod(path, 0o600)  # before it listens: only this user's processes connect
         self._servers.append(srv)
         if self.cfg.agent.peer_port is not None:
-            psrv = await asyncio.start_server(
-                self._serve_peer,
-                self.cfg.agent.peer_host,
-                self.cfg.agent.peer_port,
-                limit=PEER_STREAM_LIMIT,
-            )
+            psrv = await self._start_peer_server()  # peers.py: handshake, caps, timeouts
             self._servers.append(psrv)
             # Publish where other nodes reach us, never the bind address (0.0.0.0 would
             # send every peer to itself).

@@ -17,6 +17,11 @@ from tiered_cache.cli.common import CliError, _cfg_opt, _load, friendly
 @click.option("--socket", "socket_path", help="Override the local unix socket path.")
 @click.option("--peer-port", type=int, help="Serve chunks to peers on this TCP port (0=any).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port.")
+@click.option(
+    "--drop-dram",
+    is_flag=True,
+    help="Remove the DRAM pool on a clean stop (default: keep it for a warm restart).",
+)
 @friendly
 def agent(
     config: str | None,
@@ -24,12 +29,15 @@ def agent(
     socket_path: str | None,
     peer_port: int | None,
     metrics_port: int | None,
+    drop_dram: bool,
 ) -> None:
     """Run the node agent (owns DRAM pool, NVMe dir, S3 client; serves local vLLM)."""
     cfg = _load(config)
     upd: dict[str, Any] = {}
     if node_id:
         upd["node_id"] = node_id
+    if drop_dram:
+        upd["dram"] = cfg.dram.model_copy(update={"keep_on_stop": False})
     a: dict[str, Any] = {}
     if socket_path:
         a["socket"] = socket_path
@@ -41,8 +49,12 @@ def agent(
         upd["agent"] = cfg.agent.model_copy(update=a)
     cfg = cfg.model_copy(update=upd)
     from tiered_cache.agent import NodeAgent
+    from tiered_cache.tiers.base import TierError
 
-    asyncio.run(NodeAgent(cfg).run_forever())
+    try:
+        asyncio.run(NodeAgent(cfg).run_forever())
+    except TierError as e:  # a tier that cannot open (NVMe directory in use, unreadable)
+        raise CliError(str(e)) from None
 
 
 @click.command()

@@ -17,8 +17,20 @@ Safety rules (no torn reads, no double frees):
   last release;
 - clients read without a lease, through the shared index (``shm_index``): they find the
   run, copy, and keep the copy only if its generation did not move meanwhile;
-- every run begins with a self-describing chunk header, so after an agent crash the pool
-  can be re-attached and its index rebuilt by scanning slots (``recover=True``).
+- every run begins with a self-describing chunk header, so after an agent crash or a
+  clean stop the pool can be re-attached and its index rebuilt by scanning slots
+  (``recover=True``).
+
+Ownership: ``/dev/shm`` is world-writable, so a segment under the pool's name may have
+been made by someone else. It is adopted only if it is ours (our euid) and closed to
+group and others (0600, as it is created); a segment of another user's is refused
+(``UnsafePath``: we must not unlink another user's pool, nor serve bytes they can
+change), and one of ours that others could reach is replaced by a fresh pool, since its
+contents cannot be trusted.
+
+Lifetime: a pool opened with ``recover=True`` (the agent's) is kept out of Python's
+resource tracker, which would otherwise unlink it when the process dies, crash or not;
+with ``keep_on_close`` a clean ``close()`` leaves it for the next owner too.
 """
 
 from __future__ import annotations
@@ -26,6 +38,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
+import stat
 from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -33,8 +47,9 @@ from multiprocessing import resource_tracker, shared_memory
 from tiered_cache import codec
 from tiered_cache.cuda_host import maybe_pin_host_memory
 from tiered_cache.keys import is_valid_key
+from tiered_cache.private_dir import UnsafePath, refuse_foreign
 from tiered_cache.tiers.base import SlotTier, TierFull, TierUsage
-from tiered_cache.tiers.shm_index import SlotIndex
+from tiered_cache.tiers.shm_index import SlotIndex, index_name
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +65,34 @@ def auto_slot_bytes(capacity_bytes: int) -> int:
     while capacity_bytes // n > AUTO_MAX_SLOTS:
         n *= 2
     return n
-_OWNED: set[str] = set()  # pools created by this process (their tracker entry must stay)
+
+
+# Segments this process's resource tracker holds (it unlinks them when the process
+# ends). An attach must leave them tracked; anything else it must untrack.
+_OWNED: set[str] = set()
+
+
+def _tracker_name(name: str) -> str:
+    return "/" + name if os.name == "posix" else name  # how SharedMemory registers it
+
+
+def _set_tracked(name: str, tracked: bool) -> None:
+    if tracked and name not in _OWNED:
+        resource_tracker.register(_tracker_name(name), "shared_memory")
+        _OWNED.add(name)
+    elif not tracked and name in _OWNED:
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(_tracker_name(name), "shared_memory")
+        _OWNED.discard(name)
+
+
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    # SharedMemory.unlink unregisters it: an untracked name must be registered first, or
+    # the tracker prints a KeyError traceback.
+    _set_tracked(shm.name, True)
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
+    _OWNED.discard(shm.name)
 
 
 def attach_shm(name: str) -> shared_memory.SharedMemory:
@@ -61,6 +103,31 @@ def attach_shm(name: str) -> shared_memory.SharedMemory:
         with contextlib.suppress(Exception):
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
+
+
+def _existing(name: str) -> tuple[shared_memory.SharedMemory, os.stat_result] | None:
+    """The segment already under ``name`` and its owner and mode, or None; UnsafePath if
+    it is another user's (refused: see the module docstring)."""
+    where = f"shared memory /dev/shm/{name}"
+    try:
+        shm = attach_shm(name)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        raise UnsafePath(
+            f"{where} exists and this user cannot open it: another user's; remove it or set"
+            " dram.shm_name"
+        ) from None
+    except ValueError:  # mmap of an empty segment: not a pool anyone made
+        raise UnsafePath(f"{where} exists but is empty (not a pool); remove it") from None
+    st = os.fstat(shm._fd)  # type: ignore[attr-defined]  # the very segment we mapped
+    try:
+        why = "not adopted (another user's pool, or one planted to be); remove it or set"
+        refuse_foreign(where, st, why + " dram.shm_name")
+    except UnsafePath:
+        shm.close()
+        raise
+    return shm, st
 
 
 def prefault(buf: memoryview, *, write: bool) -> None:
@@ -141,7 +208,11 @@ class DRAMTier(SlotTier):
         *,
         shm_name: str | None = None,
         recover: bool = False,
+        keep_on_close: bool = False,
     ) -> None:
+        """``recover``: adopt (re-index) a pool of ours left under ``shm_name``, and let
+        the pool outlive this process. ``keep_on_close``: ``close()`` keeps the pool for
+        the next owner (a warm restart) instead of removing it."""
         if slot_bytes == 0:
             slot_bytes = auto_slot_bytes(capacity_bytes)
         slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
@@ -153,7 +224,15 @@ class DRAMTier(SlotTier):
         self.slot_bytes = slot_bytes
         self.num_slots = n
         self.pool_bytes = n * slot_bytes
+        self.keep_on_close = keep_on_close
+        self._closed = False
+        if shm_name and (ix := _existing(index_name(shm_name))) is not None:
+            ix[0].close()  # ours: SlotIndex retires and replaces it (another's is refused)
         self._shm, created = self._open_shm(shm_name, self.pool_bytes, recover)
+        # Untracked, or the resource tracker unlinks it when this process dies.
+        self._outlives = recover or keep_on_close
+        if self._outlives:
+            _set_tracked(self._shm.name, False)
         assert self._shm.buf is not None
         self._buf = memoryview(self._shm.buf)[: self.pool_bytes]
         if created:
@@ -173,9 +252,11 @@ class DRAMTier(SlotTier):
             self._buf.release()
             self._shm.close()
             if created:
-                self._shm.unlink()
+                _unlink(self._shm)
             raise
-        _OWNED.add(self.shared_index.name)  # an attach in this process must not untrack it
+        _OWNED.add(self.shared_index.name)  # created tracked: an attach must not untrack it
+        if self._outlives:  # left for the next owner to retire, as the pool to adopt
+            _set_tracked(self.shared_index.name, False)
         if recover and not created:
             self._rebuild()
         else:
@@ -185,21 +266,21 @@ class DRAMTier(SlotTier):
     def _open_shm(
         name: str | None, size: int, recover: bool
     ) -> tuple[shared_memory.SharedMemory, bool]:
-        if name and recover:
-            try:
-                shm = shared_memory.SharedMemory(name=name, create=False)
-                if shm.size >= size:
-                    _OWNED.add(shm.name)
-                    return shm, False
-                shm.close()
-                shm.unlink()
-            except FileNotFoundError:
-                pass
-        if name:
-            with contextlib.suppress(FileNotFoundError):
-                old = shared_memory.SharedMemory(name=name, create=False)
-                old.close()
-                old.unlink()
+        got = _existing(name) if name else None
+        if got is not None:
+            old, st = got
+            if st.st_mode & 0o077:
+                log.warning(
+                    "DRAM pool %s was open to other users (mode %04o): its contents are not"
+                    " trusted; starting with a fresh pool",
+                    name,
+                    stat.S_IMODE(st.st_mode),
+                )
+            elif recover and old.size >= size:
+                return old, False
+            old.close()
+            _unlink(old)
+        # O_CREAT | O_EXCL, mode 0600: a name someone took meanwhile fails here.
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         _OWNED.add(shm.name)
         return shm, True
@@ -400,11 +481,33 @@ class DRAMTier(SlotTier):
     def free_slots(self) -> int:
         return self._free.free
 
-    async def close(self, unlink: bool = True) -> None:
-        self.shared_index.close(unlink)
+    async def close(self, unlink: bool | None = None) -> None:
+        """``unlink=True``: remove the pool. ``False``: leave pool and index exactly as
+        they are (what a crash leaves). ``None`` (default): keep the pool if
+        ``keep_on_close``, else remove it."""
+        if self._closed:
+            return
+        self._closed = True
+        keep = self.keep_on_close if unlink is None else not unlink
+        if unlink is False:
+            self.shared_index.close(False)
+        else:  # retired and removed: clients still attached stop trusting it
+            _set_tracked(self.shared_index.name, True)  # its unlink unregisters it
+            self.shared_index.close(True)
+        if keep and unlink is None:
+            self._hand_over()
         with contextlib.suppress(BufferError):  # views still held elsewhere: let GC unmap
             self._buf.release()
             self._shm.close()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
+        if not keep:
+            _unlink(self._shm)
+
+    def _hand_over(self) -> None:
+        """Leave the pool as the next owner's scan adopts it: every committed chunk, and
+        nothing else (runs still reserved, or dropped while leased, lose their header)."""
+        for slot, run in self._runs.items():
+            if run.key is None or run.zombie:
+                off = slot * self.slot_bytes
+                self._buf[off : off + 4] = b"\0\0\0\0"
+        n = len(self._index)
+        log.info("kept DRAM pool %s with %d chunks for the next start", self.shm_name, n)

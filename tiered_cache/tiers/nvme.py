@@ -5,6 +5,10 @@ Layout: ``<root>/<key[:2]>/<key>.kvc`` holds one encoded chunk (codec header + p
 that owns the directory (a second owner would delete the first's in-flight temp files and
 double-book the disk, so opening an owned directory raises ``TierError``).
 
+Permissions: the root is made (or, if ours, narrowed to) 0700 and every file in it is
+0600: chunks are prompts' KV. A root that belongs to another user is refused
+(``UnsafePath``): its owner could read and replace our chunks.
+
 Lifecycle: the constructor *is* the open. It takes the lock, deletes ``.tmp`` leftovers and
 rebuilds the in-memory index from disk before returning; there is nothing else to call.
 ``close()`` shuts the I/O pool down and releases the lock.
@@ -47,6 +51,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +63,7 @@ from typing import TypeVar
 from tiered_cache import codec
 from tiered_cache.keys import is_valid_key
 from tiered_cache.metrics import Metrics
+from tiered_cache.private_dir import refuse_foreign
 from tiered_cache.tiers.base import Tier, TierError, TierFull, TierUsage
 
 log = logging.getLogger(__name__)
@@ -152,8 +158,8 @@ class NVMeTier(Tier):
         self._tls = threading.local()  # per-I/O-thread aligned buffers (O_DIRECT)
 
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            self._private_root()
+            self._lock_fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
             raise TierError(f"cannot open NVMe tier at {self.root}: {e}") from e
         try:
@@ -177,9 +183,26 @@ class NVMeTier(Tier):
 
     # ------------------------------------------------------------------ open-time work
 
+    def _private_root(self) -> None:
+        """Create the root 0700 (its missing parents too), or check an existing one."""
+        if not self.root.exists():
+            self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                self.root.mkdir(mode=0o700)
+        st = self.root.stat()
+        why = "its owner could read and replace our chunks; chown it or set nvme.path"
+        refuse_foreign(f"NVMe directory {self.root}", st, why)
+        if st.st_mode & 0o077:
+            log.warning(
+                "NVMe directory %s was open to other users (mode %04o): made 0700",
+                self.root,
+                stat.S_IMODE(st.st_mode),
+            )
+            os.chmod(self.root, 0o700)
+
     def _prepare_dirs(self) -> None:
         created = False
-        self._tmp.mkdir(exist_ok=True)
+        self._tmp.mkdir(mode=0o700, exist_ok=True)
         tmp_removed = 0
         for entry in os.scandir(self._tmp):
             with contextlib.suppress(FileNotFoundError):
@@ -191,7 +214,7 @@ class NVMeTier(Tier):
         for i in range(_NSTRIPES):
             d = self.root / f"{i:02x}"
             if not d.is_dir():
-                d.mkdir()
+                d.mkdir(mode=0o700)
                 created = True
         if created:
             self._fsync_dir(self.root)
@@ -203,7 +226,7 @@ class NVMeTier(Tier):
         probe = self._tmp / f"odirect-probe.{uuid.uuid4().hex}"
         buf = mmap.mmap(-1, ALIGN)
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
             try:
                 os.write(fd, buf)
             finally:
@@ -443,7 +466,7 @@ class NVMeTier(Tier):
         closes it), or raise with nothing left open."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         direct = self.o_direct_active
-        fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644)
+        fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o600)
         try:
             if not direct:
                 self._write_all(fd, views)
