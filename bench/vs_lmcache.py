@@ -364,7 +364,7 @@ def bench_dram(s: Stream, lmc: LMCache, tmp: Path) -> dict[str, Any]:
     # Room for every chunk, plus slots a client may hold reserved for its next put.
     with agent_process(tmp, slot * (n + WARM + 10) + 8 * MiB, slot) as sock:
         client = AgentClient(sock)
-        client_nv = AgentClient(sock, verify_payload=False)
+        client_nv = AgentClient(sock, verify_dram_reads=False)
         theirs: dict[int, Any] = {}
         try:
 
