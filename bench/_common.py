@@ -129,12 +129,15 @@ def agent_process(tmp: Path, capacity: int, slot_bytes: int) -> Iterator[str]:
 
     from tiered_cache.agent import spawn_agent
     from tiered_cache.config import load_config
+    from tiered_cache.tiers.shm_index import index_name
 
     name = uuid.uuid4().hex[:6]
     cfg = load_config(
         {
             "node_id": f"bench-{name}",
-            "dram": {"capacity": capacity, "slot_bytes": slot_bytes},
+            # A clean stop keeps the pool for a warm restart by default; a bench must not
+            # leave GiBs in /dev/shm (they add up across runs until the OOM killer acts).
+            "dram": {"capacity": capacity, "slot_bytes": slot_bytes, "keep_on_stop": False},
             "agent": {"socket": str(tmp / f"agent-{name}.sock")},
         }
     )
@@ -150,3 +153,5 @@ def agent_process(tmp: Path, capacity: int, slot_bytes: int) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        for shm in (cfg.dram_shm_name, index_name(cfg.dram_shm_name)):  # killed: not dropped
+            Path("/dev/shm", shm).unlink(missing_ok=True)
