@@ -62,7 +62,13 @@ def _commit_item(meta: ChunkMeta, slot: int, size: int) -> list[Any]:
 
 
 class AgentClient:
-    """``SlotStore`` backed by a node agent. Thread-safe (one request at a time)."""
+    """``SlotStore`` backed by a node agent. Thread-safe.
+
+    The protocol is request/reply on one socket, so a connection carries one exchange at
+    a time (its lock). Saves (reserve, commit, abort, put) have a connection of their own:
+    a get the agent serves slowly (a hung peer, a slow S3) must not hold up the forward
+    pass's layer-wise save behind it. Reservations live on the save connection, leases on
+    the main one; the agent drops each connection's with it."""
 
     def __init__(
         self,
@@ -76,7 +82,14 @@ class AgentClient:
         self.attach_pool = attach_pool  # False for control-only clients (CLI, router)
         self.verify_dram_reads = verify_dram_reads
         self.timeout = timeout
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the main connection: one exchange at a time
+        self._save_lock = threading.Lock()  # the save connection's
+        self._save_sock: socket.socket | None = None  # connected at the first save
+        self._save_broken = False
+        self._conn_gen = 0  # reservations die with the save connection
+        self._stash: list[tuple[int, int]] = []  # (slot, bytes) reserved for our next put
+        # Guards the pool mapping, the index and the touches: never held across a call.
+        self._state_lock = threading.Lock()
         self._shm: Any = None
         self._stale: list[Any] = []
         self._buf: memoryview | None = None
@@ -99,41 +112,29 @@ class AgentClient:
             raise
         self._sock = sock
         self._broken = False
-        self._conn_gen = getattr(self, "_conn_gen", 0) + 1  # reservations die with a connection
-        self._stash: list[tuple[int, int]] = []  # (slot, bytes) reserved for our next put
         hello = call_sync(sock, encode(Hello()))
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
         self.slot_bytes: int = hello["slot_bytes"]
         # A chunk takes a run of slots: anything up to the pool's size fits.
         self.pool_bytes: int = int(hello.get("pool_bytes") or 0)
-        if self._shm is not None:
-            # Views handed out earlier may still point into the old mapping: keep it
-            # referenced (closing it would fail while views exist) and never reuse it.
-            self._stale.append(self._shm)
-        self._shm = (
-            attach_shm(hello["shm_name"]) if hello.get("shm_name") and self.attach_pool else None
-        )
-        self._buf = (
-            memoryview(self._shm.buf)
-            if self._shm is not None and self._shm.buf is not None
-            else None
-        )
-        if self._buf is not None:
-            prefault(self._buf, write=False)
-            maybe_pin_host_memory(self._buf)
-        if self._index is not None:
-            # Another thread may still be reading through it (see _load_direct): keep
-            # it, like the old pool. A new agent has marked it dead anyway.
-            self._stale.append(self._index)
-        self._index = None
-        if self._buf is not None and hello.get("index_shm"):
+        shm = attach_shm(hello["shm_name"]) if hello.get("shm_name") and self.attach_pool else None
+        buf = memoryview(shm.buf) if shm is not None and shm.buf is not None else None
+        if buf is not None:
+            prefault(buf, write=False)
+            maybe_pin_host_memory(buf)
+        index = None
+        if buf is not None and hello.get("index_shm"):
             try:
-                self._index = SlotIndexReader(
-                    attach_shm(hello["index_shm"]), hello.get("num_slots")
-                )
+                index = SlotIndexReader(attach_shm(hello["index_shm"]), hello.get("num_slots"))
             except (OSError, ValueError) as e:  # every load then asks the agent
                 log.warning("shared DRAM index unavailable (%s): loads go through the agent", e)
+        with self._state_lock:
+            # Views handed out earlier may still point into the old mapping, and another
+            # thread may still read through the old index (see _load_direct): keep both
+            # referenced and never reuse them (a new agent has marked the index dead).
+            self._stale.extend(x for x in (self._shm, self._index) if x is not None)
+            self._shm, self._buf, self._index = shm, buf, index
         for m in self._models:  # a restarted agent forgot what this client registered
             call_sync(sock, encode(RegisterModel(m)))
 
@@ -149,6 +150,48 @@ class AgentClient:
             except ConnectionLost:
                 self._break_locked()
                 raise
+
+    def _save_call(self, req: Request) -> dict[str, Any]:
+        """``_call`` on the save connection. After it broke, both connections are made
+        anew (the agent may have restarted: the pool must be mapped again before a save
+        writes into it)."""
+        msg = encode(req)
+        self._save_ready()
+        with self._save_lock:
+            if self._save_sock is None:
+                self._connect_save()
+            if self._save_broken:  # broke again since: this call fails like its exchange
+                raise ConnectionLost("agent connection broken")
+            assert self._save_sock is not None
+            try:
+                return call_sync(self._save_sock, msg)
+            except ConnectionLost:
+                self._save_broken = True
+                with contextlib.suppress(OSError):
+                    self._save_sock.close()
+                raise
+
+    def _save_ready(self) -> None:
+        """Reconnect if the save connection broke, before anything uses its stash."""
+        if self._save_broken:
+            with self._lock:
+                if self._save_broken:
+                    self._reconnect_locked()
+
+    def _connect_save(self) -> None:
+        """Open the save connection (call with ``_save_lock`` held)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+            call_sync(sock, encode(Hello()))
+        except (OSError, IPCError):
+            sock.close()
+            raise
+        self._save_sock = sock
+        self._save_broken = False
+        self._conn_gen += 1
+        self._stash = []
 
     def _send(self, req: Request) -> None:
         """One-way message (the agent does not answer)."""
@@ -167,10 +210,16 @@ class AgentClient:
             self._sock.close()
 
     def _reconnect_locked(self) -> None:
+        """A new main connection (call with ``_lock`` held); the save connection too when
+        it broke (lock order: ``_lock``, then ``_save_lock``)."""
         with contextlib.suppress(OSError):
             self._sock.close()
         self._connect()  # raises OSError while the agent is down
         self._broken = False
+        with self._save_lock:
+            if self._save_broken and self._save_sock is not None:
+                self._save_sock.close()
+                self._connect_save()
 
     def _retry(self, fn: Callable[[], T]) -> T:
         """Run ``fn``; if the agent restarted under us, reconnect once and run it again
@@ -234,7 +283,7 @@ class AgentClient:
     def in_dram(self, keys: Sequence[str]) -> list[bool] | None:
         """Which keys the shared DRAM index holds now, with no round trip to the agent;
         None without an index (then ask ``lookup``)."""
-        with self._lock:
+        with self._state_lock:
             ix = self._index
         if ix is None:
             return None
@@ -299,7 +348,7 @@ class AgentClient:
         self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink, rep: LoadReport
     ) -> list[int]:
         """Serve what the shared index finds; return the positions left for the agent."""
-        with self._lock:  # one consistent (index, pool) pair, should a reconnect swap them
+        with self._state_lock:  # one consistent (index, pool) pair, should a reconnect swap them
             ix, buf, slot_bytes = self._index, self._buf, self.slot_bytes
         if ix is None or buf is None:
             return list(range(len(keys)))
@@ -329,28 +378,34 @@ class AgentClient:
         if hits:
             # Recency for eviction and the hit metrics go to the agent one-way and in
             # batches: a message per load would wake the agent (a core) on every hit.
-            with self._lock:
+            with self._state_lock:
                 self._touches.extend(hits)
-                if len(self._touches) >= _TOUCH_BATCH:
+                full = len(self._touches) >= _TOUCH_BATCH
+            # Not behind a call another thread has in flight: the timer sends them then.
+            if full and self._lock.acquire(blocking=False):
+                try:
                     self._flush_touches()
-                elif self._touch_timer is None:  # an idle client still reports them soon
+                finally:
+                    self._lock.release()
+            with self._state_lock:
+                if self._touches and self._touch_timer is None:  # an idle client reports soon
                     self._touch_timer = threading.Timer(_TOUCH_AGE_S, self._flush_later)
                     self._touch_timer.daemon = True
                     self._touch_timer.start()
         return rest
 
     def _flush_later(self) -> None:
-        with self._lock:
+        with self._state_lock:
             self._touch_timer = None
+        with self._lock:
             self._flush_touches()
 
     def _flush_touches(self) -> None:
         """Send the pending touches (call with ``_lock`` held). A lost connection loses
         them: they are hints."""
-        if not self._touches:
-            return
-        hits, self._touches = self._touches, []
-        if self._broken:
+        with self._state_lock:
+            hits, self._touches = self._touches, []
+        if not hits or self._broken:
             return
         sock = self._sock
         sock.settimeout(_TOUCH_SEND_S)  # a stalled agent must not stall direct reads long
@@ -424,6 +479,7 @@ class AgentClient:
         self._retry(lambda: self._put_many(items, wait))
 
     def _put_many(self, items: Sequence[tuple[ChunkMeta, PayloadLike]], wait: bool) -> None:
+        self._save_ready()
         payloads = [memoryview(p).cast("B") for _, p in items]
         sizes = [codec.HEADER_SIZE + p.nbytes for p in payloads]
         slots: list[int | None] = [None] * len(items)
@@ -438,7 +494,7 @@ class AgentClient:
                 else:
                     slots[i] = self._stash.pop(at)[0]
             if rest:
-                got = self._call(Reserve([sizes[i] for i in rest]))["slots"]
+                got = self._save_call(Reserve([sizes[i] for i in rest]))["slots"]
                 for i, sl in zip(rest, got, strict=True):
                     slots[i] = sl
         commits: list[list[Any]] = []
@@ -447,7 +503,7 @@ class AgentClient:
                 zip(items, payloads, slots, strict=True)
             ):
                 if slot is None:  # no room in DRAM (or too large): inline copy to the agent
-                    self._call(Put(meta.key, bytes(codec.encode(meta, payload)), wait))
+                    self._save_call(Put(meta.key, bytes(codec.encode(meta, payload)), wait))
                     continue
                 dst = self._slot(slot, sizes[i])
                 fut = _HASH_POOL.submit(codec.checksum, payload)  # overlaps the copy
@@ -461,11 +517,11 @@ class AgentClient:
                 )
                 commits.append(_commit_item(meta, slot, sizes[i]))
         except BaseException:
-            self._call(Abort([s for s in slots if s is not None]))
+            self._save_call(Abort([s for s in slots if s is not None]))
             raise
         if commits:
             refill = max(0, min(len(commits), _STASH_MAX) - len(self._stash))
-            r = self._call(Commit(commits, wait, refill))
+            r = self._save_call(Commit(commits, wait, refill))
             self._stash.extend((int(sl), int(cap)) for sl, cap in r.get("slots", ()))
 
     # -- zero-copy puts: the caller writes payloads straight into reserved DRAM slots
@@ -477,7 +533,7 @@ class AgentClient:
         if self._buf is None or not payload_sizes:
             return None
         sizes = [codec.HEADER_SIZE + n for n in payload_sizes]
-        slots = self._retry(lambda: self._call(Reserve(sizes))["slots"])
+        slots = self._retry(lambda: self._save_call(Reserve(sizes))["slots"])
         res = SlotReservation(list(slots), [], sizes, self._conn_gen)
         if any(s is None for s in slots):
             self.abort_reservation(res)
@@ -505,7 +561,7 @@ class AgentClient:
             head = self._slot(slot, codec.HEADER_SIZE)
             head[:] = codec.pack_header(meta, view, payload_checksum=sums[i])
             commits.append(_commit_item(meta, slot, res.sizes[i]))
-        self._call(Commit(commits, wait))
+        self._save_call(Commit(commits, wait))
 
     def abort_reservation(self, res: SlotReservation) -> None:
         if res.gen != self._conn_gen:
@@ -513,19 +569,23 @@ class AgentClient:
         held = [s for s in res.slots if s is not None]
         if held:
             with contextlib.suppress(ConnectionLost, OSError):
-                self._call(Abort(held))
+                self._save_call(Abort(held))
 
     def admin(self, op: str, **kw: Any) -> dict[str, Any]:
         return self._retry(lambda: self._call(request(op, **kw)))
 
     def close(self) -> None:
         try:
-            with self._lock:
+            with self._state_lock:
                 if self._touch_timer is not None:
                     self._touch_timer.cancel()
                     self._touch_timer = None
+            with self._lock:
                 self._flush_touches()
             self._sock.close()
+            with self._save_lock:
+                if self._save_sock is not None:
+                    self._save_sock.close()
         finally:
             # Indexes of earlier connections too: a reader left to the garbage collector
             # would close its segment while its own view still holds it.

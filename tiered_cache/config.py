@@ -185,6 +185,9 @@ class AgentConfig(_Strict):
     peer_handshake_timeout_s: float = Field(5.0, gt=0)
     peer_idle_timeout_s: float = Field(30.0, gt=0)  # no complete request for this long
     peer_max_connections: int = Field(256, ge=1)
+    # A peer's reply (the chunk included) not in within this is a failed fetch: it opens
+    # that peer's breaker and reads go elsewhere (docs/operations.md, "Slow or hung peers").
+    peer_fetch_timeout_s: float = Field(10.0, gt=0)
 
     @field_validator("peer_secret")
     @classmethod

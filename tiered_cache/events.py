@@ -51,6 +51,9 @@ class StoreEvents:
     def peer_transfer(self, direction: str) -> None:
         """A chunk crossed between nodes (direction: in, out)."""
 
+    def peer_skipped(self) -> None:
+        """A read or lookup passed over a peer whose breaker is open."""
+
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int | None) -> None:
         """``tier``'s occupancy, as last measured."""
 
@@ -107,6 +110,9 @@ class MetricsEvents(StoreEvents):
 
     def peer_transfer(self, direction: str) -> None:
         self.m.peer_transfers.labels(direction).inc()
+
+    def peer_skipped(self) -> None:
+        self.m.peer_fetches_skipped.inc()
 
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int | None) -> None:
         self.m.used_bytes.labels(tier).set(used_bytes)

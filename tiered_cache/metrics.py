@@ -116,6 +116,11 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.peer_fetches_skipped = Counter(
+            p + "peer_fetches_skipped",
+            "Reads and lookups that skipped a peer whose breaker is open (it failed or hung)",
+            registry=r,
+        )
         self.s3_retries = Counter(p + "s3_retries", "S3 requests retried", registry=r)
         # What the read path believes each source costs (tiered_cache.estimates).
         self.source_latency = Gauge(

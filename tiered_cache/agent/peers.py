@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import msgpack
 
 from tiered_cache.agent.state import AgentState
+from tiered_cache.hierarchy.remote import PROBE_KEY
+from tiered_cache.hierarchy.types import PeerSkipped
 from tiered_cache.ipc import (
     MAX_FRAME,
     FrameTooLarge,
@@ -216,6 +218,9 @@ class PeerLink(AgentState):
         loop = asyncio.get_running_loop()
         secret = _secret(self.cfg.agent)
         async with sem:
+            if key != PROBE_KEY and self.store.peer_down(node_id):
+                # It failed while this fetch queued for a connection: don't wait on it too.
+                raise PeerSkipped(node_id)
             for attempt in (0, 1):
                 addr = await self._peer_address(node_id, refresh=attempt > 0)
                 if addr is None:
@@ -231,7 +236,9 @@ class PeerLink(AgentState):
                             )
                     t0 = time.perf_counter()
                     await loop.sock_sendall(sock, pack({"op": "fetch", "key": key, "raw": True}))
-                    data = await asyncio.wait_for(_read_chunk(loop, sock), 30.0)
+                    data = await asyncio.wait_for(
+                        _read_chunk(loop, sock), self.cfg.agent.peer_fetch_timeout_s
+                    )
                     dt = time.perf_counter() - t0
                     idle.append(sock)
                     return None if data is None else (data, dt)
@@ -239,14 +246,16 @@ class PeerLink(AgentState):
                     if sock is not None:
                         sock.close()
                     raise
-                except (OSError, EOFError, asyncio.TimeoutError, IPCError, ValueError):
+                except (OSError, EOFError, asyncio.TimeoutError, IPCError, ValueError) as e:
                     # EOFError: the peer died mid-reply; ValueError: a garbled frame.
                     if sock is not None:
                         sock.close()
                     for s in idle:  # same peer, likely just as dead
                         s.close()
                     idle.clear()
-                    if attempt:
+                    # A stale pooled connection or a moved peer deserves a second try; a
+                    # peer that let the timeout pass would only hang again.
+                    if attempt or isinstance(e, asyncio.TimeoutError):
                         raise
                 except BaseException:  # cancelled mid-reply: the stream is unusable
                     if sock is not None:

@@ -40,6 +40,7 @@ class ReadsMixin:
 
         async def _remote_sources(self, keys: Sequence[str]) -> list[str | None]: ...
         def _best_peer_s(self, size: int) -> float: ...
+        def peer_usable(self, node: str) -> bool: ...
         async def _fetch_from_peer(
             self, key: str, node: str, expect_fp: bytes | None
         ) -> Hit | None: ...
@@ -174,6 +175,7 @@ class ReadsMixin:
                         loc.node_id != self.node_id
                         and loc.tier in NODE_TIERS
                         and p not in cands
+                        and self.peer_usable(loc.node_id)  # not while its breaker is open
                     ):
                         cands.append(p)
         if "s3" in self.by_name:

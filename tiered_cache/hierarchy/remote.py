@@ -1,20 +1,29 @@
 """Reads from other nodes: where the directory (or S3 itself) says a chunk lives, and
-fetching a verified copy from a peer."""
+fetching a verified copy from a peer.
+
+Each peer has a circuit breaker (``breaker.Breaker``): a fetch that fails or times out
+opens it, counts in the peer's estimate as the slowest a transfer may count, and from then
+on reads and lookups skip that peer (S3, or a miss and a recompute) until a probe, a fetch
+of a key nobody holds run in the background once per back-off period (0.25 s doubling to
+30 s), gets an answer. No read waits for a probe."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tiered_cache import codec
 from tiered_cache.api import NODE_TIERS
+from tiered_cache.breaker import Breaker
 from tiered_cache.directory import Directory
 from tiered_cache.estimates import SourceEstimator, kind_of
 from tiered_cache.events import StoreEvents
-from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot
+from tiered_cache.hierarchy.types import Hit, PeerFetch, PeerSkipped, TierSlot
 
 log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
+PROBE_KEY = "0" * 32  # what a breaker's probe asks a peer for: held by nobody, answered fast
 
 
 class RemoteMixin:
@@ -28,10 +37,46 @@ class RemoteMixin:
     by_name: dict[str, TierSlot]
     events: StoreEvents
     estimates: SourceEstimator
+    _typical_bytes: int
+    _peer_breakers: dict[str, Breaker]
+    _peer_probes: set[asyncio.Task[None]]
 
     if TYPE_CHECKING:  # defined by TieredStore
 
         def _observe(self, source: str, nbytes: int, seconds: float) -> None: ...
+
+    def _peer_breaker(self, node: str) -> Breaker:
+        b = self._peer_breakers.get(node)
+        if b is None:
+            b = self._peer_breakers[node] = Breaker(f"peer {node}", log)
+        return b
+
+    def peer_down(self, node: str) -> bool:
+        """Whether ``node``'s breaker is open (a fetch queued for it should not start)."""
+        b = self._peer_breakers.get(node)
+        return b is not None and b.down
+
+    def peer_usable(self, node: str) -> bool:
+        """Whether reads may ask ``node`` now. While its breaker is open: no, and once per
+        back-off period this starts the probe that closes it."""
+        b = self._peer_breakers.get(node)
+        if b is None or not b.down:
+            return True
+        if not b.blocked and b.allow():  # due: probe off the read path
+            t = asyncio.ensure_future(self._probe_peer(node, b))
+            self._peer_probes.add(t)
+            t.add_done_callback(self._peer_probes.discard)
+        self.events.peer_skipped()
+        return False
+
+    async def _probe_peer(self, node: str, b: Breaker) -> None:
+        assert self.peer_fetch is not None
+        try:
+            await self.peer_fetch(PROBE_KEY, node)
+        except Exception as e:
+            b.failed(e)
+        else:
+            b.ok()
 
     def _directory_ok(self) -> bool:
         d = self.directory
@@ -43,7 +88,10 @@ class RemoteMixin:
             locs = await self.directory.locate(keys)
             for i, ls in enumerate(locs):
                 if self.peer_fetch is not None and any(
-                    loc.node_id != self.node_id and loc.tier in NODE_TIERS for loc in ls
+                    loc.node_id != self.node_id
+                    and loc.tier in NODE_TIERS
+                    and self.peer_usable(loc.node_id)
+                    for loc in ls
                 ):
                     res[i] = "peer"
                 elif "s3" in self.by_name and any(loc.tier == "s3" for loc in ls):
@@ -79,7 +127,9 @@ class RemoteMixin:
         nodes = [
             loc.node_id
             for loc in locs
-            if loc.node_id != self.node_id and loc.tier in NODE_TIERS
+            if loc.node_id != self.node_id
+            and loc.tier in NODE_TIERS
+            and self.peer_usable(loc.node_id)
         ]
         for node in dict.fromkeys(nodes):  # a peer serves from all its tiers: ask it once
             hit = await self._fetch_from_peer(key, node, expect_fp)
@@ -90,11 +140,21 @@ class RemoteMixin:
     async def _fetch_from_peer(self, key: str, node: str, expect_fp: bytes | None) -> Hit | None:
         if self.peer_fetch is None:
             return None
+        b = self._peer_breaker(node)
         try:
             got = await self.peer_fetch(key, node)
+        except PeerSkipped:
+            self.events.peer_skipped()
+            return None
         except Exception as e:
             log.warning("peer %s fetch of %s failed: %s", node, key, e)
+            self.events.read_failed("peer")
+            # A failure costs what the slowest transfer may count (estimates._CLIP) in the
+            # peer's estimate, so that other sources rank first even once it is back.
+            self._observe(f"peer:{node}", self._typical_bytes or 2**20, float("inf"))
+            b.failed(e)
             return None
+        b.ok()
         if got is None:
             return None
         raw, dt = got

@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Iterable, Sequence
 
 from policies import EntryInfo
+from tiered_cache.breaker import Breaker
 from tiered_cache.directory import Directory, Pin
 from tiered_cache.estimates import SourceEstimator
 from tiered_cache.events import MetricsEvents, StoreEvents
@@ -88,6 +89,8 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         self._dropped_logged: set[str] = set()
         self._prefetching: set[str] = set()  # keys being copied into DRAM
         self._missed: dict[str, float] = {}  # key -> until when no remote copy is offered
+        self._peer_breakers: dict[str, Breaker] = {}  # node -> its breaker (remote.py)
+        self._peer_probes: set[asyncio.Task[None]] = set()
         # tier -> key -> ids of pins covering it
         self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
         self._pins: dict[str, Pin] = {}
@@ -344,6 +347,8 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
                 await self._publish(s.name, keys[i : i + 1000])
 
     async def close(self) -> None:
+        for t in list(self._peer_probes):  # a probe of a hung peer would outlive the loop
+            t.cancel()
         await self.flush()
         for s in self.slots:
             await s.tier.close()

@@ -20,6 +20,11 @@ WriteMode = Literal["write_through", "write_back"]
 PeerFetch = Callable[[str, str], Awaitable[tuple[bytes | bytearray, float] | None]]
 
 
+class PeerSkipped(Exception):
+    """A peer fetch given up before it began: the peer's breaker opened while it waited
+    for a connection (not a new failure of that peer)."""
+
+
 def header_info(data: bytes | bytearray | memoryview) -> EntryInfo | None:
     """The prefix information an encoded chunk's header carries, if any."""
     try:
