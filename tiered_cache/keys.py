@@ -18,7 +18,9 @@ import numpy as np
 
 KEY_HEX_LEN = 32
 KEY_BYTES = KEY_HEX_LEN // 2
-_KEY_RE = re.compile(r"^[0-9a-f]{32}$")
+# fullmatch, not "$": "$" also matches before a trailing newline, which would let
+# "<32 hex>\n" into file names, object keys and Redis keys.
+_KEY_RE = re.compile(r"[0-9a-f]{32}")
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -66,7 +68,7 @@ class ModelFingerprint:
 
 
 def is_valid_key(key: str) -> bool:
-    return bool(_KEY_RE.match(key))
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
 
 
 def _as_int32_bytes(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -16,8 +16,9 @@ from tiered_cache.keys import ModelFingerprint, is_valid_key
 
 log = logging.getLogger(__name__)
 
-_PIN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_HEX_RE = re.compile(r"^[0-9a-f]*$")
+# Checked with fullmatch: "$" would also accept a trailing newline.
+_PIN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_HEX_RE = re.compile(r"[0-9a-f]*")
 # Agents refresh the registrations of connected vLLM instances with every heartbeat; one
 # not refreshed for this long belongs to a retired deployment and is dropped.
 MODEL_KEEP_S = 7 * 24 * 3600.0
@@ -63,7 +64,7 @@ class Pin(BaseModel):
     @field_validator("id")
     @classmethod
     def _check_id(cls, v: str) -> str:
-        if not _PIN_ID_RE.match(v):
+        if not _PIN_ID_RE.fullmatch(v):
             raise ValueError(f"pin id must match {_PIN_ID_RE.pattern}")
         return v
 
@@ -87,7 +88,7 @@ class Pin(BaseModel):
     @classmethod
     def _check_fp(cls, v: str) -> str:
         v = v.lower()
-        if not _HEX_RE.match(v):
+        if not _HEX_RE.fullmatch(v):
             raise ValueError("fingerprint must be hex")
         return v
 

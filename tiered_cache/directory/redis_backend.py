@@ -39,7 +39,8 @@ from tiered_cache.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-_NS_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# fullmatch: "$" would also accept a trailing newline.
+_NS_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # Dead nodes stay listed in {ns}:nodes / {ns}:alive this long before being pruned.
 _PRUNE_AFTER_S = 3600.0
 _REPLAY_BATCH = 64  # queued updates per replay pipeline
@@ -123,7 +124,7 @@ class RedisDirectory(Directory):
         secrets_to_scrub: Sequence[str] = (),
         cluster: bool = False,
     ) -> None:
-        if not _NS_RE.match(namespace):
+        if not _NS_RE.fullmatch(namespace):
             raise ValueError(f"namespace must match {_NS_RE.pattern}")
         # `client` is redis.asyncio.Redis or RedisCluster; typed Any because their
         # pipeline/command return types are unions that would need a cast on every call.
