@@ -172,6 +172,9 @@ class AgentConfig(_Strict):
     # node's interface towards the Redis directory (see ``tiered_cache.netaddr``).
     advertise_host: str | None = None
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    # The address Prometheus' /metrics binds: loopback unless exposed on purpose (0.0.0.0,
+    # or this node's address on the monitoring network).
+    metrics_host: str = Field("127.0.0.1", min_length=1)
     auth_token: str | None = None
     usage_log_interval_s: float = Field(60.0, gt=0)
     pin_sync_interval_s: float = Field(2.0, gt=0)

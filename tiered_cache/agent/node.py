@@ -140,6 +140,8 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         self._stopped = asyncio.Event()
         self._pins_version = -1
         self.peer_address: tuple[str, int] | None = None
+        self.metrics_address: tuple[str, int] | None = None  # (host, port) /metrics is on
+        self._metrics_httpd: Any = None
         # Per peer: idle connections, and a bound on fetches in flight (one per connection).
         self._peer_idle: dict[str, list[socket.socket]] = {}
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
@@ -178,7 +180,15 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
         if self.cfg.agent.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(self.cfg.agent.metrics_port, registry=self.metrics.registry)
+            # Loopback unless agent.metrics_host says otherwise: the series name chunk
+            # counts, tiers and peers, which is no one else's business by default.
+            httpd, _ = start_http_server(
+                self.cfg.agent.metrics_port,
+                addr=self.cfg.agent.metrics_host,
+                registry=self.metrics.registry,
+            )
+            self._metrics_httpd = httpd
+            self.metrics_address = httpd.server_address[:2]
         await self._heartbeat()
         await self._sync_pins()
         await self.store.republish()
@@ -211,6 +221,10 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
     async def stop(self) -> None:
         for srv in self._servers:
             srv.close()
+        if self._metrics_httpd is not None:  # its thread would keep the port after a stop
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+            self._metrics_httpd = None
         # Connected clients' handlers too: left pending, they would run on a closed loop.
         pending = [*self._tasks, *self._local_tasks]
         for t in pending:

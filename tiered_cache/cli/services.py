@@ -18,6 +18,10 @@ from tiered_cache.cli.common import CliError, _cfg_opt, _load, friendly
 @click.option("--peer-port", type=int, help="Serve chunks to peers on this TCP port (0=any).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port.")
 @click.option(
+    "--metrics-host",
+    help="Address /metrics binds (default agent.metrics_host: 127.0.0.1; 0.0.0.0 exposes it).",
+)
+@click.option(
     "--drop-dram",
     is_flag=True,
     help="Remove the DRAM pool on a clean stop (default: keep it for a warm restart).",
@@ -29,6 +33,7 @@ def agent(
     socket_path: str | None,
     peer_port: int | None,
     metrics_port: int | None,
+    metrics_host: str | None,
     drop_dram: bool,
 ) -> None:
     """Run the node agent (owns DRAM pool, NVMe dir, S3 client; serves local vLLM)."""
@@ -45,6 +50,8 @@ def agent(
         a["peer_port"] = peer_port
     if metrics_port is not None:
         a["metrics_port"] = metrics_port
+    if metrics_host:
+        a["metrics_host"] = metrics_host
     if a:
         upd["agent"] = cfg.agent.model_copy(update=a)
     cfg = cfg.model_copy(update=upd)
