@@ -370,7 +370,9 @@ class AgentClient:
                 rep,
                 still_valid=functools.partial(ix.unchanged, slot, gen),
             )
-            if status == "raced":  # the slot changed under the copy: ask the agent
+            if status in ("raced", "wrong_key"):
+                # The slot changed under the copy, or holds another key's chunk (the
+                # agent deletes that one and looks further): ask the agent.
                 rest.append(i)
             elif status == "ok":
                 rep.sources[i] = "dram"
@@ -429,8 +431,10 @@ class AgentClient:
         rep: LoadReport,
         still_valid: Callable[[], bool] | None = None,
     ) -> tuple[str, int]:
-        """Verify one chunk and hand it to ``sink``: ("ok" | "failed" | "raced", tokens).
-        "raced" means ``still_valid`` turned false: the bytes may be torn, not damaged."""
+        """Verify one chunk and hand it to ``sink``: ("ok" | "failed" | "raced" |
+        "wrong_key", tokens). "raced" means ``still_valid`` turned false: the bytes may be
+        torn, not damaged; "wrong_key" (reads through the index only): the header names
+        another key."""
         try:
             meta, payload = codec.decode(
                 raw, expect_key=key, expect_fingerprint=fingerprint, verify_payload=False
@@ -439,6 +443,8 @@ class AgentClient:
         except codec.ChunkError as e:
             if still_valid is not None and not still_valid():
                 return "raced", 0
+            if still_valid is not None and isinstance(e, codec.ChunkWrongKey):
+                return "wrong_key", 0  # read through the index: the agent drops it
             log.warning("chunk %s failed verification: %s", key, e)
             rep.failures[i] = "mismatch" if isinstance(e, codec.ChunkMismatch) else "verification"
             return "failed", 0

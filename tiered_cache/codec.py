@@ -49,6 +49,11 @@ class ChunkMismatch(ChunkError):
     """Intact, but for another key, model fingerprint or KV layout."""
 
 
+class ChunkWrongKey(ChunkMismatch):
+    """Intact, but its header names another key: wrong wherever it is stored under this
+    one, so readers delete it (a fingerprint mismatch may be right for another reader)."""
+
+
 @dataclass(frozen=True)
 class ChunkMeta:
     key: str  # 32 hex chars
@@ -167,7 +172,7 @@ def decode(
     if verify_payload and xxhash.xxh3_64_intdigest(payload) != checksum:
         raise ChunkCorrupt("payload checksum mismatch")
     if expect_key is not None and meta.key != expect_key:
-        raise ChunkMismatch(f"chunk is for key {meta.key}, expected {expect_key}")
+        raise ChunkWrongKey(f"chunk is for key {meta.key}, expected {expect_key}")
     if expect_fingerprint is not None and meta.fingerprint != expect_fingerprint:
         raise ChunkMismatch(
             f"chunk fingerprint {meta.fingerprint.hex()} != expected {expect_fingerprint.hex()}"

@@ -45,7 +45,9 @@ class ReadsMixin:
             self, key: str, node: str, expect_fp: bytes | None
         ) -> Hit | None: ...
         def _spawn(self, coro: Awaitable[None], sem: asyncio.Semaphore | None = None) -> None: ...
-        async def delete(self, key: str, tiers: Iterable[str] | None = None) -> None: ...
+        async def delete(
+            self, key: str, tiers: Iterable[str] | None = None, *, reason: str = "delete"
+        ) -> None: ...
         def _observe(self, source: str, nbytes: int, seconds: float) -> None: ...
         async def _write_tier(
             self, slot: TierSlot, key: str, data: bytes | bytearray | memoryview
@@ -209,20 +211,27 @@ class ReadsMixin:
                 expect_fingerprint=expect_fp,
                 verify_payload=self.verify_dram_reads or name != "dram",
             )
-        except codec.ChunkMismatch as e:
-            log.warning("%s chunk %s unusable here: %s", name, key, e)
-            self.events.verify_failed(name)
-            return None
         except codec.ChunkError as e:
-            log.warning("%s chunk %s failed verification (%s): removed", name, key, e)
-            self.events.verify_failed(name)
-            await self.delete(key, tiers=[name])
+            await self._unusable(name, key, e)
             return None
         n = len(raw)
         dt = time.perf_counter() - t0
         self._observe(source or name, n, dt)
         self.events.hit(source or name, meta.num_tokens, n, dt)
         return Hit(meta, payload, source or name, raw)
+
+    async def _unusable(self, tier: str, key: str, e: codec.ChunkError) -> None:
+        """A chunk of ``tier`` that failed its checks is a miss. Damaged bytes, or a header
+        naming another key, are wrong for every reader: delete the copy (and this node's
+        directory entry), or each later read pays for it again. A chunk of another
+        fingerprint or layout is left: it may serve another reader of that key."""
+        self.events.verify_failed(tier)
+        if isinstance(e, codec.ChunkMismatch) and not isinstance(e, codec.ChunkWrongKey):
+            log.warning("%s chunk %s unusable here: %s", tier, key, e)
+            return
+        wrong = isinstance(e, codec.ChunkWrongKey)
+        log.warning("%s chunk %s failed verification (%s): removed", tier, key, e)
+        await self.delete(key, tiers=[tier], reason="wrong_key" if wrong else "corrupt")
 
     async def _promote(self, key: str, hit: Hit) -> None:
         top = self.slots[0]

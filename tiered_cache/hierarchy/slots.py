@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from policies import EntryInfo
@@ -53,7 +53,7 @@ class SlotsMixin:
         async def _write_tier(
             self, slot: TierSlot, key: str, data: bytes | bytearray | memoryview
         ) -> bool: ...
-        async def delete(self, key: str, tiers: Iterable[str] | None = None) -> None: ...
+        async def _unusable(self, tier: str, key: str, e: codec.ChunkError) -> None: ...
         def _observe(self, source: str, nbytes: int, seconds: float) -> None: ...
 
     def _dram(self) -> tuple[TierSlot, SlotTier]:
@@ -131,13 +131,21 @@ class SlotsMixin:
         got = tier.acquire(key)
         if got is not None:
             tokens = 0
+            head_key = key
             with contextlib.suppress(codec.ChunkError):
-                head = tier.slot_view(got[0])[: codec.HEADER_SIZE]
-                tokens = codec.parse_header(head)[0].num_tokens
-            self._count_dram_hit(top, key, got[1], tokens)
-            if served is not None:
-                served.append("dram")
-            return got
+                head = codec.parse_header(tier.slot_view(got[0])[: codec.HEADER_SIZE])[0]
+                tokens, head_key = head.num_tokens, head.key
+            if head_key == key:
+                self._count_dram_hit(top, key, got[1], tokens)
+                if served is not None:
+                    served.append("dram")
+                return got
+            # Committed under a key its header does not name: never serve it (the header
+            # was parsed anyway, so this costs nothing), drop it, try the lower tiers.
+            tier.release(got[0])
+            await self._unusable(
+                "dram", key, codec.ChunkWrongKey(f"chunk is for key {head_key}, expected {key}")
+            )
         plan = await self._plan(key)
         if plan and plan[0] == "nvme":
             got = await self._lease_from_nvme(top, tier, key, expect_fingerprint)
@@ -185,17 +193,10 @@ class SlotsMixin:
             if n is None:
                 raise TierError("vanished")
             codec.decode(dram.slot_view(s)[:n], expect_key=key, expect_fingerprint=expect_fp)
-        except codec.ChunkMismatch as e:
-            dram.abort(s)
-            log.warning("nvme chunk %s unusable here: %s", key, e)
-            self.events.verify_failed("nvme")
-            return None
         except (codec.ChunkError, TierError, ValueError) as e:
             dram.abort(s)
             if isinstance(e, codec.ChunkError):
-                log.warning("nvme chunk %s failed verification (%s): removed", key, e)
-                self.events.verify_failed("nvme")
-                await self.delete(key, tiers=["nvme"])
+                await self._unusable("nvme", key, e)
             return None
         slot.eviction.on_access(key)
         slot.admission.on_access(key)

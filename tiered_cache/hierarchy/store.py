@@ -307,7 +307,11 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
-    async def delete(self, key: str, tiers: Iterable[str] | None = None) -> None:
+    async def delete(
+        self, key: str, tiers: Iterable[str] | None = None, *, reason: str = "delete"
+    ) -> None:
+        """Remove ``key`` from ``tiers`` (default: all) and their directory entries;
+        counted in ``tiered_cache_evictions_total{reason}``."""
         for slot in self.slots:
             if tiers is not None and slot.name not in tiers:
                 continue
@@ -315,7 +319,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
                 slot.eviction.on_remove(key)
                 removed = await slot.tier.delete(key)
             if removed:
-                self.events.evicted(slot.name, "delete")
+                self.events.evicted(slot.name, reason)
                 await self._unpublish(slot.name, [key])
         self._forget_info(key)
 
