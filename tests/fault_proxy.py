@@ -34,6 +34,9 @@ _HOP_BY_HOP = {
 
 _ERROR_CODES = {500: "InternalError", 503: "SlowDown"}
 
+Headers = list[tuple[str, str]]
+ResponseHook = Callable[[str, Message, int, Headers, bytes], tuple[int, Headers, bytes]]
+
 
 @dataclass
 class _Fault:
@@ -66,6 +69,10 @@ class FaultProxy:
         # Called as hook(method, path, headers) before each request is forwarded (in the
         # handler thread), e.g. to change the bucket behind the client's back.
         self.on_request: Callable[[str, str, Message], None] | None = None
+        # Called as hook(method, request headers, status, headers, body) with upstream's
+        # answer; returns the (status, headers, body) sent instead: a server that lies.
+        # Content-Length follows the body returned.
+        self.on_response: ResponseHook | None = None
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -193,6 +200,10 @@ class FaultProxy:
                     self.close_connection = True
                     return
                 status, reason, headers, data = self._forward(body)
+                if proxy.on_response is not None:
+                    status, headers, data = proxy.on_response(
+                        self.command, self.headers, status, headers, data
+                    )
                 self.send_response_only(status, reason)
                 for k, v in headers:
                     self.send_header(k, v)

@@ -76,6 +76,14 @@ class _ObjectChanged(Exception):
     """The object was replaced between the ranged GETs of one read."""
 
 
+class _BadRange(Exception):
+    """A ranged GET answered with other bytes than asked for (Content-Range or length):
+    the read is a miss, never data."""
+
+
+_CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+
+
 def _error_code(e: ClientError) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
 
@@ -102,6 +110,9 @@ def _normalise_prefix(prefix: str) -> str:
 
 class S3Tier(Tier):
     name = "s3"
+    # A size a server claims above this is refused before any buffer is allocated for it
+    # (chunks are tens of MiB; a lying Content-Range must not cost a huge allocation).
+    max_object_bytes = 4 * 2**30
 
     def __init__(
         self,
@@ -336,7 +347,12 @@ class S3Tier(Tier):
             try:
                 if body is None:
                     resp = self._get_object(okey, f"bytes={start}-{start + view.nbytes - 1}", etag)
-                    if _total_size(resp) != total:
+                    try:
+                        got = _checked_range(resp, start, view.nbytes, self.max_object_bytes)
+                    except _BadRange:
+                        resp["Body"].close()
+                        raise
+                    if got != total:
                         resp["Body"].close()
                         raise _ObjectChanged(okey)
                     body = resp["Body"]
@@ -480,10 +496,17 @@ class S3Tier(Tier):
     async def _get_once(self, okey: str) -> bytes | None:
         ps = self.part_size
         resp = await self._run(self._get_object, okey, f"bytes=0-{ps - 1}")
-        total = _total_size(resp)
         body = resp["Body"]
+        try:
+            total = _checked_range(resp, 0, ps, self.max_object_bytes)
+        except _BadRange:
+            body.close()
+            raise
         if total <= ps or not resp.get("ContentRange"):  # whole object (or Range ignored)
-            return await self._run(self._read_all, okey, body)
+            data = await self._run(self._read_all, okey, body)
+            if len(data) != total:  # checked: the range ends at the object's end
+                raise _BadRange(f"{len(data)} B received, {total} B announced")
+            return data
         etag = resp["ETag"]
         buf = bytearray(total)
         mv = memoryview(buf)
@@ -623,9 +646,27 @@ class S3Tier(Tier):
                 self.metrics.capacity_bytes.labels(tier=self.name).set(self.capacity_bytes)
 
 
-def _total_size(resp: Any) -> int:
-    """Object size from a (ranged) GET: "bytes 0-99/1234" -> 1234."""
+def _checked_range(resp: Any, start: int, n: int, limit: int) -> int:
+    """The object's size from the answer to ``Range: bytes=start-(start+n-1)``, once the
+    answer is checked to carry exactly those bytes: its Content-Range must name that range
+    (cut at the object's end) and its length match; with no Content-Range (the server
+    ignored the Range) the whole object comes, so only a request from byte 0 may accept
+    it. Anything else raises ``_BadRange``: the server (or something on the way) is not
+    sending what was asked, so nothing it sends is used."""
+    length = int(resp.get("ContentLength", -1))
     cr = resp.get("ContentRange")
-    if cr and "/" in cr and not cr.endswith("/*"):
-        return int(cr.rsplit("/", 1)[1])
-    return int(resp["ContentLength"])  # server ignored the Range: this is the whole object
+    if not cr:
+        if start != 0 or not 0 <= length <= limit:
+            raise _BadRange(f"no Content-Range for bytes {start}+{n}, length {length}")
+        return length
+    m = _CONTENT_RANGE_RE.fullmatch(str(cr))
+    if m is None:
+        raise _BadRange(f"unusable Content-Range {str(cr)[:80]!r}")
+    first, last, total = (int(g) for g in m.groups())
+    if total > limit:
+        raise _BadRange(f"Content-Range claims a {total} B object (limit {limit} B)")
+    if first != start or last != min(start + n, total) - 1 or length != last - first + 1:
+        raise _BadRange(
+            f"asked for bytes {start}-{start + n - 1}, got {cr!r} with {length} B"
+        )
+    return total
