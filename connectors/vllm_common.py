@@ -9,6 +9,8 @@ settings read from ``kv_connector_extra_config``, and guarded access to the node
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +66,94 @@ def _single_group_spec(kv_cache_config: KVCacheConfig) -> Any:
     return groups[0]
 
 
+# Files whose change means other weights (or another architecture) at the same path.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_WEIGHT_NAMES = ("config.json", "params.json")
+
+
+def _is_weights_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_NAMES or name.endswith(
+        ".index.json"
+    )
+
+
+def weights_identity(
+    model: str, revision: str | None = None, mode: str = "stat", hub_cache: str | None = None
+) -> str:
+    """What says which checkpoint ``model`` names, cheaply (no file is read): "" if unknown.
+
+    A local directory (or file): a digest of each weights/config file's name and size,
+    and (``mode`` "stat") its mtime, or for a symlink (a Hugging Face snapshot) the blob
+    it points to, which is named by its content hash and is the same on every node. A hub
+    id: the commit its revision resolves to in the local Hugging Face cache. Only the top
+    level of a directory is listed (vLLM loads from there)."""
+    if mode not in ("stat", "size", "off"):
+        raise ValueError(f"weights_identity must be stat, size or off, got {mode!r}")
+    if mode == "off" or not model:
+        return ""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if _is_weights_file(n))
+    elif os.path.isfile(path):
+        path, names = os.path.dirname(path), [os.path.basename(path)]
+    else:
+        return _hub_commit(model, revision, hub_cache)
+    h = hashlib.sha256(f"weights/v1|{mode}".encode())
+    for n in names:
+        fp = os.path.join(path, n)
+        try:
+            st = os.stat(fp)
+        except OSError:
+            continue  # a dangling link: not part of what loads
+        h.update(f"|{n}:{st.st_size}".encode())
+        if os.path.islink(fp):
+            h.update(b":" + os.path.basename(os.readlink(fp)).encode())
+        elif mode == "stat":
+            h.update(f":{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+def _hub_commit(model: str, revision: str | None, hub_cache: str | None) -> str:
+    """The commit a hub id's revision resolves to in the local cache (no network)."""
+    rev = revision or "main"
+    if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev):
+        return rev  # a commit already
+    if hub_cache is None:
+        try:
+            from huggingface_hub import constants
+
+            hub_cache = str(constants.HF_HUB_CACHE)
+        except Exception:  # pragma: no cover - vLLM depends on huggingface_hub
+            return ""
+    ref = os.path.join(hub_cache, "models--" + model.replace("/", "--"), "refs", rev)
+    try:
+        with open(ref) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _overrides(vllm_config: VllmConfig) -> str:
+    """Settings besides the checkpoint that change what the model computes, as canonical
+    JSON ("" when none is set)."""
+    mc = vllm_config.model_config
+    out: dict[str, Any] = {}
+    for name in ("hf_overrides", "model_class_overrides", "hf_config_path", "config_format",
+                 "model_impl", "quantization_config"):  # fmt: skip
+        v = getattr(mc, name, None)
+        if callable(v) and not isinstance(v, type):
+            v = f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', repr(v))}"
+        if v not in (None, "", {}, [], "auto"):
+            out[name] = v
+    model_dtype = getattr(mc, "dtype", None)
+    if model_dtype is not None:  # the KV dtype may be fp8 whatever the weights' dtype
+        out["model_dtype"] = str(model_dtype).removeprefix("torch.")
+    load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", ""))
+    if load_format == "dummy":  # random weights: their KV is nobody else's
+        out["load_format"] = load_format
+    return json.dumps(out, sort_keys=True, default=str, separators=(",", ":")) if out else ""
+
+
 def build_identity(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
@@ -111,8 +201,21 @@ def build_identity(
     if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
         raise ValueError("TieredCacheConnector does not support pipeline parallelism yet")
     tp_size = int(getattr(pc, "tensor_parallel_size", 1))
-    model_id = str(extra.get("model_id") or vllm_config.model_config.model)
+    mc = vllm_config.model_config
+    model_id = str(extra.get("model_id") or mc.model)
     kind = type(spec).__name__
+    # New weights at the same path must not meet the old weights' KV: the revisions, the
+    # checkpoint files' identity, the overrides and the operator's epoch are all keyed.
+    revision = getattr(mc, "revision", None)
+    code_revision = getattr(mc, "code_revision", None)
+    revs = "/".join(str(r or "") for r in (revision, code_revision)).strip("/")
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    weights = weights_identity(
+        str(getattr(mc, "model_weights", None) or mc.model),
+        revision,
+        str(extra.get("weights_identity", "stat")),
+        hub_cache=download_dir,
+    )
     fp = tc_keys.ModelFingerprint(
         model_id=model_id,
         dtype=dtype,
@@ -123,6 +226,11 @@ def build_identity(
         tp_rank=tp_rank,
         tp_world_size=tp_size,
         chunk_size=chunk_size,
+        revision=revs,
+        quantization=str(getattr(mc, "quantization", None) or ""),
+        overrides=_overrides(vllm_config),
+        weights=weights,
+        cache_epoch=str(extra.get("cache_epoch") or ""),
     )
     return _Identity(fp, layout[:8], block_size, dtype)
 
@@ -174,6 +282,8 @@ class ConnectorBase:
 
         cache_cfg = config_from_extra(self._extra)
         self._extra.setdefault("chunk_size", cache_cfg.chunk_size)
+        self._extra.setdefault("cache_epoch", cache_cfg.cache_epoch)
+        self._extra.setdefault("weights_identity", cache_cfg.weights_identity)
         self._save_unfull = _as_bool(
             self._extra.get("save_unfull_chunk", cache_cfg.save_unfull_chunk)
         )
@@ -225,7 +335,7 @@ class ConnectorBase:
 
         logger.info(
             "TieredCacheConnector %s role=%s chunk_size=%d block_size=%d layout=%s dtype=%s "
-            "async_load=%s wait=%s/%.1fs fingerprint=%s",
+            "async_load=%s wait=%s/%.1fs fingerprint=%s (revision=%r weights=%s epoch=%r)",
             role.name,
             self._role_name,
             self._chunk_size,
@@ -236,6 +346,9 @@ class ConnectorBase:
             self._wait_mode,
             self._wait_timeout,
             self._fp.hex,
+            self._fp.revision,
+            self._fp.weights or "unknown",
+            self._fp.cache_epoch,
         )
 
     def _open_store(self) -> SlotStore:

@@ -223,6 +223,13 @@ class CacheConfig(_Strict):
     # Whether the connector stores a prompt's last, partial chunk (LMCache's
     # save_unfull_chunk); kv_connector_extra_config.save_unfull_chunk overrides it.
     save_unfull_chunk: bool = True
+    # Part of the model fingerprint (so of every chunk key): bump it to retire all KV
+    # cached so far, e.g. after new weights whose files look unchanged.
+    # kv_connector_extra_config.cache_epoch overrides it.
+    cache_epoch: str = Field("", max_length=64)
+    # How the fingerprint identifies a local checkpoint's files: "stat" (names, sizes,
+    # mtimes), "size" (names and sizes: for nodes whose copies differ only in mtime), "off".
+    weights_identity: Literal["stat", "size", "off"] = "stat"
     redis_url: str | None = None
     location_ttl_s: float = Field(3600.0, gt=0)
     heartbeat_ttl_s: float = Field(15.0, gt=0)
@@ -230,6 +237,13 @@ class CacheConfig(_Strict):
     nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
     s3: S3Config = Field(default_factory=lambda: S3Config())
     agent: AgentConfig = Field(default_factory=lambda: AgentConfig())
+
+    @field_validator("cache_epoch", mode="before")
+    @classmethod
+    def _epoch(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise ValueError("must be a string or an integer")
+        return str(v).strip()
 
     @model_validator(mode="after")
     def _some_tier(self) -> CacheConfig:

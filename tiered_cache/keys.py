@@ -10,6 +10,7 @@ through numpy, so there is no per-token Python work.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,13 +24,18 @@ KEY_BYTES = KEY_HEX_LEN // 2
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
 
 DEFAULT_CHUNK_SIZE = 256
+# The fingerprint fields that identify the weights (all optional, "" when unknown).
+IDENTITY_FIELDS = ("revision", "quantization", "overrides", "weights", "cache_epoch")
 
 
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What must match for a KV chunk to be valid on a reader.
 
-    Covers model id, KV dtype, KV layout, block size and tensor-parallel placement.
+    Covers model id, KV dtype, KV layout, block size and tensor-parallel placement, and
+    what says which weights produced the KV (``IDENTITY_FIELDS``): the model and code
+    revisions, the quantization, config overrides, the checkpoint files' identity
+    (``connectors.vllm_common.weights_identity``) and the operator's ``cache_epoch``.
     """
 
     model_id: str
@@ -39,6 +45,11 @@ class ModelFingerprint:
     tp_rank: int = 0
     tp_world_size: int = 1
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    revision: str = ""
+    quantization: str = ""
+    overrides: str = ""  # canonical JSON of the overrides that change the weights' output
+    weights: str = ""  # digest of the checkpoint files (names, sizes, mtimes)
+    cache_epoch: str = ""
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0 or self.block_size <= 0:
@@ -51,11 +62,17 @@ class ModelFingerprint:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for world {self.tp_world_size}")
 
     def canonical(self) -> bytes:
-        return (
+        base = (
             f"tiered-cache/v1|model={self.model_id}|dtype={self.dtype}|layout={self.kv_layout}"
             f"|block={self.block_size}|chunk={self.chunk_size}"
             f"|tp={self.tp_rank}/{self.tp_world_size}"
-        ).encode()
+        )
+        # Only the identity fields that are set, as one JSON object (no separator can be
+        # forged inside a value): a fingerprint without them keeps its old digest.
+        ident = {f: str(getattr(self, f)) for f in IDENTITY_FIELDS if getattr(self, f)}
+        if ident:
+            base += "|id=" + json.dumps(ident, sort_keys=True, separators=(",", ":"))
+        return base.encode()
 
     @property
     def digest(self) -> bytes:

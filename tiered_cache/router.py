@@ -33,7 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from tiered_cache.breaker import Breaker
-from tiered_cache.keys import ModelFingerprint, chunk_keys
+from tiered_cache.keys import IDENTITY_FIELDS, ModelFingerprint, chunk_keys
 
 log = logging.getLogger("tiered_cache.router")
 
@@ -217,7 +217,10 @@ class Router:
         fpp = self.fingerprints.get(str(body.get("model")))
         if fpp is None or self.cache is None:
             return None
-        fp = ModelFingerprint(**{k: fpp[k] for k in FINGERPRINT_FIELDS})
+        # The identity fields too (revision, weights, epoch...): without them the router's
+        # keys would not be the connector's.
+        fields = (*FINGERPRINT_FIELDS, *IDENTITY_FIELDS)
+        fp = ModelFingerprint(**{k: fpp[k] for k in fields if k in fpp})
         prompt = body.get("prompt")
         if (
             isinstance(prompt, list)

@@ -129,6 +129,12 @@ class ModelRegistration(BaseModel):
     tp_rank: int = 0
     tp_world_size: int = 1
     chunk_size: int
+    # Which weights (keys.IDENTITY_FIELDS); "" from connectors that predate them.
+    revision: str = ""
+    quantization: str = ""
+    overrides: str = ""
+    weights: str = ""
+    cache_epoch: str = ""
     aliases: list[str] = Field(default_factory=list)  # served model names
     tokenizer: str | None = None
     node_id: str = ""  # the node that last refreshed it
@@ -148,6 +154,11 @@ class ModelRegistration(BaseModel):
             tp_rank=self.tp_rank,
             tp_world_size=self.tp_world_size,
             chunk_size=self.chunk_size,
+            revision=self.revision,
+            quantization=self.quantization,
+            overrides=self.overrides,
+            weights=self.weights,
+            cache_epoch=self.cache_epoch,
         )
 
     @property
