@@ -188,7 +188,8 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
                 registry=self.metrics.registry,
             )
             self._metrics_httpd = httpd
-            self.metrics_address = httpd.server_address[:2]
+            host, port = httpd.server_address[:2]
+            self.metrics_address = (str(host), int(port))
         await self._heartbeat()
         await self._sync_pins()
         await self.store.republish()

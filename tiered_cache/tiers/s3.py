@@ -666,7 +666,5 @@ def _checked_range(resp: Any, start: int, n: int, limit: int) -> int:
     if total > limit:
         raise _BadRange(f"Content-Range claims a {total} B object (limit {limit} B)")
     if first != start or last != min(start + n, total) - 1 or length != last - first + 1:
-        raise _BadRange(
-            f"asked for bytes {start}-{start + n - 1}, got {cr!r} with {length} B"
-        )
+        raise _BadRange(f"asked for bytes {start}-{start + n - 1}, got {cr!r} with {length} B")
     return total
