@@ -18,6 +18,7 @@ CONFIGS = sorted(
 def test_shipped_configs_load(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REDIS_PASSWORD", "s3cret")
     monkeypatch.setenv("TC_PEER_SECRET", "0123456789abcdef")  # multi-node files
+    monkeypatch.setenv("TC_ADMIN_TOKEN", "fedcba9876543210")
     cfg = load_config(path)
     assert cfg.dram.enabled or cfg.nvme.enabled or cfg.s3.enabled
     if cfg.redis_url:
@@ -106,12 +107,12 @@ def test_yaml_error_quotes_the_reference_not_the_secret(
 def test_env_value_is_one_string_never_yaml(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _setenv(monkeypatch, TC_NODE="a\nchunk_size: 7", TC_TOKEN="{admin: true}", TC_SOCK="#x")
+    _setenv(monkeypatch, TC_NODE="a\nchunk_size: 7", TC_TOKEN="{admin: true, x: 123456}", TC_SOCK="#x")
     p = _write(tmp_path, "node_id: ${TC_NODE}\nagent: {auth_token: ${TC_TOKEN}}\n")
     cfg = load_config(p)
     assert cfg.node_id == "a\nchunk_size: 7"
     assert cfg.chunk_size == 256
-    assert cfg.agent.auth_token == "{admin: true}"
+    assert cfg.agent.auth_token == "{admin: true, x: 123456}"
     p = _write(tmp_path, "agent:\n  socket: ${TC_SOCK}\n")
     assert load_config(p).agent.socket == "#x"
 
@@ -170,12 +171,12 @@ def test_env_defaults_and_escape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     p = _write(
         tmp_path,
         "node_id: ${TC_UNSET:-n1}\n"
-        "agent: {socket: '${TC_EMPTY:-/run/s.sock}', auth_token: $${TC_SET},"
+        "agent: {socket: '${TC_EMPTY:-/run/s.sock}', pin_file: $${TC_SET},"
         " advertise_host: ${TC_SET:-x}}\n",
     )
     cfg = load_config(p)
     assert (cfg.node_id, cfg.agent.socket) == ("n1", "/run/s.sock")
-    assert (cfg.agent.auth_token, cfg.agent.advertise_host) == ("${TC_SET}", "set")
+    assert (cfg.agent.pin_file, cfg.agent.advertise_host) == ("${TC_SET}", "set")
     # an empty string in a file without references is kept as it is
     with pytest.raises(ConfigError, match=r"agent\.pin_file: must be a path to a pin file"):
         load_config(_write(tmp_path, "agent: {pin_file: ''}\n"))

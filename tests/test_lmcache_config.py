@@ -334,6 +334,7 @@ def test_shipped_lmcache_configs_load(
 ) -> None:
     monkeypatch.setenv("REDIS_PASSWORD", "s3cret")
     monkeypatch.setenv("TC_PEER_SECRET", "0123456789abcdef")  # multi-node files
+    monkeypatch.setenv("TC_ADMIN_TOKEN", "fedcba9876543210")
     want = SHIPPED[name]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         cfg = load_config(CONFIGS / name)
@@ -354,7 +355,7 @@ def test_shipped_lmcache_configs_load(
     if name == "lmcache-multi-node.yaml":
         assert cfg.redis_url == "rediss://:s3cret@redis.internal:6380/0"
         assert cfg.nvme.o_direct and cfg.s3.max_concurrency == 32
-        assert cfg.s3.read_timeout_s == 20.0 and cfg.agent.auth_token == "change-me"
+        assert cfg.s3.read_timeout_s == 20.0 and cfg.agent.auth_token == "fedcba9876543210"
         assert cfg.s3.endpoint_url is None
     if name == "lmcache-single-node.yaml":
         assert cfg.nvme.admission == "frequency" and cfg.nvme.write_mode == "write_back"
@@ -530,12 +531,12 @@ def test_pin_file_under_extra_config(
         tmp_path,
         "local_cpu: true\n"
         "extra_config:\n  tiered_cache:\n"
-        "    agent: {pin_file: '${PIN_DIR}/prod.yaml', auth_token: t, peer_port: 7480}\n",
+        "    agent: {pin_file: '${PIN_DIR}/prod.yaml', auth_token: t0123456789abcdef, peer_port: 7480}\n",
     )
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         cfg = load_config(p)
     assert cfg.agent.pin_file == "/srv/git/pins/prod.yaml"
-    assert (cfg.agent.auth_token, cfg.agent.peer_port) == ("t", 7480)
+    assert (cfg.agent.auth_token, cfg.agent.peer_port) == ("t0123456789abcdef", 7480)
     assert ignored(caplog) == []
 
 

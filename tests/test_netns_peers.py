@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FP = ModelFingerprint("netns-test", chunk_size=256, block_size=16)
 N = 1 << 20  # a 1 MiB payload per chunk
 SECRET = b"netns-test-peer-secret-0123456789"  # TC_PEER_SECRET for every agent
+ADMIN_TOKEN = "netns-test-admin-token-0123"  # TC_ADMIN_TOKEN, for the shipped configs
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +88,7 @@ class Cluster:
         path = self.tmp / f"{tag}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         env = dict(os.environ, PYTHONPATH=str(ROOT), REDIS_PASSWORD="",
-                   TC_PEER_SECRET=SECRET.decode(),
+                   TC_PEER_SECRET=SECRET.decode(), TC_ADMIN_TOKEN=ADMIN_TOKEN,
                    AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")  # fmt: skip
         if not wait:
             p = subprocess.Popen(
@@ -118,6 +119,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     redis = moto = None
     env = pytest.MonkeyPatch()
     env.setenv("TC_PEER_SECRET", SECRET.decode())  # spawn_agent reads the config here too
+    env.setenv("TC_ADMIN_TOKEN", ADMIN_TOKEN)  # the shipped configs' agent.auth_token
     try:
         redis = _spawn_redis(6379, bind=net.host_ip)  # redis.internal:6379, as shipped
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")

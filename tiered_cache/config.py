@@ -163,6 +163,14 @@ class S3Config(TierPolicy):
         return self
 
 
+# Tokens that example configs and tutorials ship (compared lower-case, letters and digits
+# only): an agent guarded by one of them is not guarded.
+_PLACEHOLDER_TOKENS = frozenset(
+    {"", "changeme", "changemeplease", "secret", "password", "token", "admin", "admintoken",
+     "authtoken", "yourtoken", "yourtokenhere", "example", "test", "none", "null"}
+)  # fmt: skip
+
+
 class AgentConfig(_Strict):
     socket: str | None = None  # default: <runtime dir>/<node_id>.sock (private_dir.py)
     peer_host: str = "127.0.0.1"  # the address the peer port binds
@@ -175,7 +183,13 @@ class AgentConfig(_Strict):
     # The address Prometheus' /metrics binds: loopback unless exposed on purpose (0.0.0.0,
     # or this node's address on the monitoring network).
     metrics_host: str = Field("127.0.0.1", min_length=1)
+    # Admin ops (pin add/rm, evict, flush, warm, clear) need it when set; placeholders and
+    # anything under 16 characters are refused. Set it from the environment:
+    # ``${TC_ADMIN_TOKEN}``.
     auth_token: str | None = None
+    # Local uids besides the agent's own and root that may write chunks and run admin ops
+    # over the socket (the kernel names a client's uid: SO_PEERCRED).
+    allowed_uids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     usage_log_interval_s: float = Field(60.0, gt=0)
     pin_sync_interval_s: float = Field(2.0, gt=0)
     # A pin list (the YAML `tiered-cache pin export` writes) the agent imports at start-up
@@ -205,6 +219,30 @@ class AgentConfig(_Strict):
                 " shared secret on every node, or remove peer_secret)"
             )
         if len(s) < 16:  # a short key falls to an offline guess from one handshake
+            raise ValueError("must be at least 16 characters (e.g. `openssl rand -hex 32`)")
+        return v
+
+    @field_validator("auth_token")
+    @classmethod
+    def _auth_token(cls, v: str | None) -> str | None:
+        # The value is never quoted: it may be the real token, one typo away.
+        if v is None:
+            return None
+        unset = re.fullmatch(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", v.strip())
+        if unset:  # a loader that leaves an unset variable as written (LMCache's)
+            raise ValueError(
+                f"environment variable {unset.group(1)} is not set (export the admin token,"
+                " or remove auth_token)"
+            )
+        if not v.strip():
+            raise ValueError("is empty: set a token (or remove auth_token)")
+        if re.sub(r"[^a-z0-9]", "", v.lower()) in _PLACEHOLDER_TOKENS:
+            raise ValueError(
+                "a placeholder value (change-me, secret, ...) guards nothing: set a real"
+                " token (`openssl rand -hex 32`, exported as TC_ADMIN_TOKEN and read as"
+                " ${TC_ADMIN_TOKEN}) or remove auth_token"
+            )
+        if len(v) < 16:
             raise ValueError("must be at least 16 characters (e.g. `openssl rand -hex 32`)")
         return v
 

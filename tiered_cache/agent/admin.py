@@ -1,8 +1,10 @@
 """Operators' requests: stats, pins, ls, evict, flush, warm, clear, nodes, counters,
-models. Admin writes need the agent's token when it has one."""
+models. Admin writes need the agent's token when it has one, and, like chunk writes, a
+local client of a trusted uid (``_check_access``)."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,7 @@ from tiered_cache.metrics import Metrics
 from tiered_cache.protocol import (
     ADMIN,
     Clear,
+    Commit,
     Counters,
     Evict,
     Flush,
@@ -22,10 +25,14 @@ from tiered_cache.protocol import (
     PinAdd,
     PinLs,
     PinRm,
+    Put,
+    RegisterModel,
     Request,
+    Reserve,
     Stats,
     Warm,
 )
+from tiered_cache.tiers.dram import DRAMTier
 
 if TYPE_CHECKING:
     from tiered_cache.agent.local import Handler, _Conn
@@ -33,11 +40,34 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiered_cache.agent")
 
 
+# What a local client of another uid may not do: write chunks or registrations.
+WRITES: frozenset[type[Request]] = frozenset({Put, Commit, Reserve, RegisterModel})
+
+
+def token_matches(given: object, want: str) -> bool:
+    """Constant-time: how long a wrong token took to refuse says nothing about it."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), want.encode())
+
+
 class AdminOps(AgentState):
-    def _check_admin(self, req: Request) -> None:
-        token = self.cfg.agent.auth_token
-        if token and type(req) in ADMIN and getattr(req, "token", None) != token:
-            raise PermissionError("admin operation needs the agent's auth token")
+    def _check_access(self, conn: _Conn, req: Request) -> None:
+        """Chunk writes and admin ops need a trusted local uid (the agent's own, root, or
+        ``agent.allowed_uids``: SO_PEERCRED, taken at connect); admin ops also need the
+        token when one is configured. PermissionError (an ``auth`` reply) otherwise."""
+        kind = type(req)
+        if kind not in ADMIN and kind not in WRITES:
+            return
+        if not conn.trusted:
+            raise PermissionError(
+                f"{req.op} refused: local uid {conn.uid} is not this agent's user, root or"
+                " in agent.allowed_uids"
+            )
+        want = self.cfg.agent.auth_token
+        if kind in ADMIN and want is not None and not token_matches(getattr(req, "token", None), want):
+            raise PermissionError(
+                f"{req.op} refused: needs the admin token (agent.auth_token); the CLI takes"
+                " --token or TIERED_CACHE_TOKEN"
+            )
 
     def _admin_handlers(self) -> dict[type[Request], Handler]:
         return {
@@ -56,10 +86,13 @@ class AdminOps(AgentState):
         }
 
     async def _stats_op(self, conn: _Conn, req: Stats) -> dict[str, Any]:
+        top = self.store.slots[0].tier
         return {
             "node_id": self.cfg.node_id,
             "usage": self.store.usage(),
             "metrics": _metric_summary(self.metrics),
+            # The DRAM pool's books (free slots, reserved runs, leases): leak checks.
+            "pool": top.accounting() if isinstance(top, DRAMTier) else None,
         }
 
     async def _pin_add(self, conn: _Conn, req: PinAdd) -> dict[str, Any]:

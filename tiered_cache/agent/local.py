@@ -6,17 +6,23 @@ handed to the handler the table names; this module holds the data path's handler
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
+import struct
 from collections import Counter as CounterT
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from policies import EntryInfo
+from tiered_cache import codec
 from tiered_cache.agent.state import AgentState
 from tiered_cache.directory import ModelRegistration
 from tiered_cache.hierarchy import Hit, PinRefused
 from tiered_cache.ipc import pack, read_msg
+from tiered_cache.keys import is_valid_key
 from tiered_cache.protocol import (
     Abort,
     Commit,
@@ -47,6 +53,26 @@ class _Conn:
     leases: CounterT[int] = field(default_factory=CounterT)
     reserved: set[int] = field(default_factory=set)
     models: set[str] = field(default_factory=set)  # fingerprints this client registered
+    uid: int | None = None  # the peer's uid (SO_PEERCRED); None where unknown
+    trusted: bool = True  # may write chunks and run admin ops (``AdminOps._check_access``)
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_uid(sock: Any) -> int | None:
+    """The uid of the process at the other end of a unix socket (a ``socket`` or
+    asyncio's wrapper of one), as the kernel saw it at connect time: it cannot be forged.
+    None where the platform does not say (no ``SO_PEERCRED``); OSError if asking fails."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if sock is None or opt is None or sock.family != socket.AF_UNIX:
+        return None
+    _, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, opt, _UCRED.size))
+    return int(uid)
+
+
+def _bad_key(op: str, key: Any) -> ProtocolError:
+    return ProtocolError(f"{op}: invalid chunk key {key!r} (32 lowercase hex characters)")
 
 
 Handler = Callable[[_Conn, Any], Awaitable[dict[str, Any]]]
@@ -57,6 +83,15 @@ class LocalServer(AgentState):
         self, r: asyncio.StreamReader, w: asyncio.StreamWriter
     ) -> None:
         conn = _Conn()
+        try:
+            conn.uid = peer_uid(w.get_extra_info("socket"))
+            # Unknown only where the platform has no SO_PEERCRED: the socket's 0600 mode
+            # is the guard there.
+            conn.trusted = conn.uid is None or conn.uid in (0, os.geteuid()) or (
+                conn.uid in self.cfg.agent.allowed_uids
+            )
+        except OSError:  # could not ask: trust nothing
+            conn.trusted = False
         me = asyncio.current_task()
         if me is not None:
             self._local_tasks.add(me)
@@ -75,12 +110,17 @@ class LocalServer(AgentState):
             # for every handler task that ends cancelled.
             pass
         finally:
-            # A client that died mid-transfer must not leak slots or leases.
+            # A client that died mid-transfer must not leak slots or leases: each is
+            # returned on its own, so one failure cannot keep the rest.
             for slot, n in conn.leases.items():
                 for _ in range(n):
-                    self.store.release(slot)
+                    with contextlib.suppress(Exception):
+                        self.store.release(slot)
             for slot in conn.reserved:
-                self.store.abort_dram(slot)
+                with contextlib.suppress(Exception):
+                    self.store.abort_dram(slot)
+            conn.leases.clear()
+            conn.reserved.clear()
             for h in conn.models:
                 self._model_refs[h] -= 1
                 if self._model_refs[h] <= 0:
@@ -94,7 +134,7 @@ class LocalServer(AgentState):
         """The reply to one frame: the handler's result with ``ok``, or the error."""
         try:
             req = decode(msg)
-            self._check_admin(req)
+            self._check_access(conn, req)
             reply = await self._handlers[type(req)](conn, req)
             reply["ok"] = True
         except ProtocolError as e:
@@ -158,6 +198,9 @@ class LocalServer(AgentState):
 
     async def _get(self, conn: _Conn, req: Get) -> dict[str, Any]:
         store = self.store
+        for k in req.keys:  # before any lease is taken
+            if not is_valid_key(k):
+                raise _bad_key("get", k)
         out: list[Any] = []
         sem = asyncio.Semaphore(8)  # chunks of one request load in parallel, bounded
 
@@ -167,7 +210,16 @@ class LocalServer(AgentState):
                 got = await store.lease(key, expect_fingerprint=req.fp, served=served)
             return got, (served[0] if served else "")
 
-        for got, src in await asyncio.gather(*(one(k) for k in req.keys)):
+        # Every load runs to its end even when one fails: the leases the others took are
+        # then returned, not lost with the failed request.
+        results = await asyncio.gather(*(one(k) for k in req.keys), return_exceptions=True)
+        done = [r for r in results if not isinstance(r, BaseException)]
+        if len(done) < len(results):
+            for got, _ in done:
+                if isinstance(got, tuple):
+                    store.release(got[0])
+            raise next(r for r in results if isinstance(r, BaseException))
+        for got, src in done:
             if got is None:
                 out.append(None)
             elif isinstance(got, Hit):
@@ -199,11 +251,33 @@ class LocalServer(AgentState):
 
     async def _commit(self, conn: _Conn, req: Commit) -> dict[str, Any]:
         store = self.store
-        for key, slot, length, parent, pos in req.items:
-            if slot not in conn.reserved:
-                raise ValueError(f"slot {slot} was not reserved by this client")
+        try:
+            items = self._check_commit(conn, req.items)
+        except ProtocolError:
+            # Refused whole, nothing committed: the runs it names that this client reserved
+            # go back to the pool (the client drops them on an error), others stay as
+            # they are (another client's reservation is not ours to free).
+            for it in req.items:
+                sl = it[1] if len(it) > 1 else None
+                if isinstance(sl, int) and sl in conn.reserved:
+                    conn.reserved.discard(sl)
+                    store.abort_dram(sl)
+            raise
+        for n, (key, slot, length, parent, pos) in enumerate(items):
             conn.reserved.discard(slot)
-            await store.commit_dram(key, slot, length, info=EntryInfo(parent, pos), wait=req.wait)
+            try:
+                await store.commit_dram(
+                    key, slot, length, info=EntryInfo(parent, pos), wait=req.wait
+                )
+            except BaseException:
+                # Not committed (checked above, so unexpected): free it and the rest.
+                for _, sl, *_ in items[n + 1 :]:
+                    conn.reserved.discard(sl)
+                    store.abort_dram(sl)
+                with contextlib.suppress(Exception):
+                    if store.slots[0].tier.size_of(key) is None:
+                        store.abort_dram(slot)
+                raise
         # Hand the client free runs for its next put, so a put costs one round trip
         # (commit) instead of two: runs as long as this commit's largest chunk, only ones
         # free without evicting, never the last quarter of the pool, and at most a 16th of
@@ -223,6 +297,53 @@ class LocalServer(AgentState):
                 stash.append([sl, pages * dram.slot_bytes])
         return {"slots": stash}
 
+    def _check_commit(
+        self, conn: _Conn, items: list[list[Any]]
+    ) -> list[tuple[str, int, int, str | None, int]]:
+        """Every item of a commit, checked before any is committed: its shape, the key, a
+        run this client reserved and names once, a length that fits the run, and a
+        header naming that key and length (256 bytes read; the payload's checksum is the
+        readers' to verify)."""
+        tier = self._pool_tier()
+        out: list[tuple[str, int, int, str | None, int]] = []
+        seen: set[int] = set()
+        for i, it in enumerate(items):
+            where = f"commit item {i}"
+            if len(it) != 5:
+                raise ProtocolError(f"{where}: want [key, slot, length, parent, position]")
+            key, slot, length, parent, pos = it
+            if not isinstance(key, str) or not is_valid_key(key):
+                raise _bad_key(where, key)
+            if not _is_int(slot) or not _is_int(length) or not _is_int(pos):
+                raise ProtocolError(f"{where}: slot, length and position must be integers")
+            if parent is not None and not (isinstance(parent, str) and is_valid_key(parent)):
+                raise ProtocolError(f"{where}: parent must be a chunk key or null")
+            if slot not in conn.reserved or slot in seen:
+                raise ProtocolError(f"{where}: slot {slot} is not reserved by this client")
+            seen.add(slot)
+            run = tier.slot_view(slot)
+            if not codec.HEADER_SIZE <= length <= run.nbytes:
+                raise ProtocolError(
+                    f"{where}: length {length} does not fit its {run.nbytes} B run"
+                )
+            try:
+                meta, plen, _ = codec.parse_header(run[: codec.HEADER_SIZE])
+            except codec.ChunkError as e:
+                raise ProtocolError(f"{where}: slot {slot} holds no chunk header ({e})") from None
+            if meta.key != key or codec.HEADER_SIZE + plen != length:
+                raise ProtocolError(
+                    f"{where}: the header in slot {slot} is for {meta.key} and "
+                    f"{codec.HEADER_SIZE + plen} B, not {key} and {length} B"
+                )
+            out.append((key, slot, length, parent, pos))
+        return out
+
+    def _pool_tier(self) -> SlotTier:
+        tier = self.store.slots[0].tier
+        if not isinstance(tier, SlotTier):
+            raise ProtocolError("this agent has no DRAM pool to commit into")
+        return tier
+
     async def _abort(self, conn: _Conn, req: Abort) -> dict[str, Any]:
         for slot in req.slots:
             if slot in conn.reserved:
@@ -231,7 +352,19 @@ class LocalServer(AgentState):
         return {}
 
     async def _put(self, conn: _Conn, req: Put) -> dict[str, Any]:
-        # Inline bytes: for chunks that fit no DRAM run, or no DRAM tier.
+        # Inline bytes: for chunks that fit no DRAM run, or no DRAM tier. The header must
+        # name this key and this many bytes (a cheap check; readers verify the payload).
+        if not is_valid_key(req.key):
+            raise _bad_key("put", req.key)
+        try:
+            meta, plen, _ = codec.parse_header(req.data[: codec.HEADER_SIZE])
+        except codec.ChunkError as e:
+            raise ProtocolError(f"put: not a chunk ({e})") from None
+        if meta.key != req.key or codec.HEADER_SIZE + plen != len(req.data):
+            raise ProtocolError(
+                f"put: the header is for {meta.key} and {codec.HEADER_SIZE + plen} B, not"
+                f" {req.key} and {len(req.data)} B"
+            )
         await self.store.put(req.key, req.data, wait=req.wait)
         return {}
 
@@ -247,3 +380,7 @@ class LocalServer(AgentState):
         self._models[h] = reg
         await self.directory.register_models(self.cfg.node_id, [reg])
         return {"fingerprint": h}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

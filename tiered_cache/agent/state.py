@@ -50,5 +50,5 @@ class AgentState:
     async def write_back_dirty(self) -> int:
         raise NotImplementedError
 
-    def _check_admin(self, req: Request) -> None:
+    def _check_access(self, conn: Any, req: Request) -> None:
         raise NotImplementedError

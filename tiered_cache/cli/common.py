@@ -148,36 +148,54 @@ class _GivenFingerprint(ModelFingerprint):
 
 
 class _Admin:
-    """Pin-list access: Redis directly when configured, else the node agent's socket."""
+    """Pin-list writes go through this node's agent, which checks the token (and the
+    caller's uid) itself; with Redis and no agent running, straight to Redis, which only
+    the holder of its credentials (redis_url) can write."""
 
     def __init__(self, cfg: CacheConfig, token: str | None) -> None:
         self.cfg = cfg
         self.token = token
 
     def _need_token(self, what: str) -> None:
-        if self.cfg.agent.auth_token and self.token != self.cfg.agent.auth_token:
+        # No agent to ask: refuse early rather than write what the agent would refuse.
+        # Constant-time, like the agent's check.
+        from tiered_cache.agent.admin import token_matches
+
+        want = self.cfg.agent.auth_token
+        if want is not None and not token_matches(self.token, want):
             raise CliError(f"{what} needs the admin token (--token or TIERED_CACHE_TOKEN)")
 
     def _op(self, op: str, **kw: Any) -> dict[str, Any]:
         hint = "" if self.cfg.redis_url else " or set redis_url"
         return _agent_op(self.cfg, op, hint=hint, **kw)
 
+    def _agent_write(self, op: str, **kw: Any) -> dict[str, Any] | None:
+        """``op`` through the agent; None when no agent answers and Redis is configured."""
+        from tiered_cache.protocol import AgentUnreachable, agent_call, request
+
+        if not self.cfg.redis_url:
+            return self._op(op, token=self.token, **kw)
+        try:
+            return asyncio.run(
+                agent_call(self.cfg.socket_path, request(op, token=self.token, **kw))
+            )
+        except AgentUnreachable:
+            return None
+
     def add(self, pin: Any, chunk_bytes: int) -> str:
-        if self.cfg.redis_url:
-            self._need_token("pin add")
-            _redis(self.cfg, lambda d: d.add_pin(pin), check=False)
-            return str(pin.id)
-        return str(
-            self._op("pin_add", pin=pin.model_dump(), chunk_bytes=chunk_bytes, token=self.token)[
-                "id"
-            ]
-        )
+        r = self._agent_write("pin_add", pin=pin.model_dump(), chunk_bytes=chunk_bytes)
+        if r is not None:
+            return str(r["id"])
+        self._need_token("pin add")
+        _redis(self.cfg, lambda d: d.add_pin(pin), check=False)
+        return str(pin.id)
 
     def remove(self, pin_id: str) -> bool:
-        if self.cfg.redis_url:
-            self._need_token("pin rm")
-            return bool(_redis(self.cfg, lambda d: d.remove_pin(pin_id), check=False))
-        return bool(self._op("pin_rm", id=pin_id, token=self.token)["removed"])
+        r = self._agent_write("pin_rm", id=pin_id)
+        if r is not None:
+            return bool(r["removed"])
+        self._need_token("pin rm")
+        return bool(_redis(self.cfg, lambda d: d.remove_pin(pin_id), check=False))
 
     def list(
         self, *, fleet: bool = False

@@ -441,6 +441,8 @@ class DRAMTier(SlotTier):
 
     async def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         mv = memoryview(data).cast("B")
+        if not is_valid_key(key):  # before reserving: commit would refuse it, the run leak
+            raise ValueError(f"invalid chunk key {key!r}")
         if not self.fits(mv.nbytes):
             raise TierFull(
                 f"chunk of {mv.nbytes} B exceeds the DRAM pool ({self.pool_bytes} B)"
@@ -480,6 +482,22 @@ class DRAMTier(SlotTier):
     @property
     def free_slots(self) -> int:
         return self._free.free
+
+    def accounting(self) -> dict[str, int]:
+        """The pool's books, for leak checks (the agent's ``stats``): O(runs), off the hot
+        path. Idle, ``reserved_runs`` and ``leases`` are 0 and ``free_slots`` plus the
+        chunks' slots is ``num_slots``."""
+        runs = self._runs.values()
+        return {
+            "num_slots": self.num_slots,
+            "free_slots": self._free.free,
+            "chunks": len(self._index),
+            "chunk_slots": sum(r.pages for r in runs if r.key is not None and not r.zombie),
+            "reserved_runs": sum(r.key is None for r in runs),
+            "zombie_runs": sum(r.zombie for r in runs),
+            "leases": sum(r.leases for r in runs),
+            "used_bytes": self._used_bytes,
+        }
 
     async def close(self, unlink: bool | None = None) -> None:
         """``unlink=True``: remove the pool. ``False``: leave pool and index exactly as
