@@ -3,8 +3,9 @@
 Sits on a free loopback port in front of the moto server and forwards every request
 unchanged (method, path, headers including Host, body), buffering bodies in memory. It can
 be told to fail the next N requests with an HTTP error (500 InternalError, 503 SlowDown),
-to stall before answering (longer than the client's read timeout), or to stall half way
-through a response body. Faults can be limited to some HTTP methods.
+to stall before answering (longer than the client's read timeout), to stall half way
+through a response body, or to hold requests until the test releases them (a tier as slow
+as the test needs, with no timing involved). Faults can be limited to some HTTP methods.
 
 moto does not verify SigV4 signatures, and the client signs for the proxy's host anyway,
 so plain forwarding is enough.
@@ -40,7 +41,7 @@ ResponseHook = Callable[[str, Message, int, Headers, bytes], tuple[int, Headers,
 
 @dataclass
 class _Fault:
-    kind: str  # "error", "stall" or "stall_body"
+    kind: str  # "error", "stall", "stall_body" or "hold"
     remaining: int  # requests left to fault; -1: until cleared
     status: int = 500
     code: str = "InternalError"
@@ -66,6 +67,9 @@ class FaultProxy:
         self.methods_seen: list[str] = []
         self.in_flight = 0
         self.max_in_flight = 0  # most requests open at once (checks bounded concurrency)
+        self.held = 0  # requests held now (hold_next)
+        self._held_cv = threading.Condition()
+        self._release = threading.Event()
         # Called as hook(method, path, headers) before each request is forwarded (in the
         # handler thread), e.g. to change the bucket behind the client's back.
         self.on_request: Callable[[str, str, Message], None] | None = None
@@ -119,6 +123,22 @@ class FaultProxy:
         connection: a read timeout in the middle of a response body."""
         self._set(_Fault("stall_body", n, seconds=seconds, methods=_methods(methods)))
 
+    def hold_next(self, n: int, methods: Iterable[str] | None = None) -> None:
+        """Hold the next ``n`` matching requests (n=-1: until cleared) before forwarding
+        them, until ``release``."""
+        self._release.clear()
+        self._set(_Fault("hold", n, methods=_methods(methods)))
+
+    def wait_held(self, n: int, timeout: float = 30.0) -> bool:
+        """Whether ``n`` requests came to be held at once within ``timeout``."""
+        with self._held_cv:
+            return self._held_cv.wait_for(lambda: self.held >= n, timeout)
+
+    def release(self) -> None:
+        """Forward the held requests; later ones are not held."""
+        self.clear()
+        self._release.set()
+
     def clear(self) -> None:
         self._set(None)
 
@@ -140,6 +160,7 @@ class FaultProxy:
 
     def close(self) -> None:
         self._stop.set()  # wakes stalled handlers
+        self._release.set()  # and held ones
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
@@ -199,6 +220,13 @@ class FaultProxy:
                     proxy._stop.wait(fault.seconds)
                     self.close_connection = True
                     return
+                if fault is not None and fault.kind == "hold":
+                    with proxy._held_cv:
+                        proxy.held += 1
+                        proxy._held_cv.notify_all()
+                    proxy._release.wait()
+                    with proxy._held_cv:
+                        proxy.held -= 1
                 status, reason, headers, data = self._forward(body)
                 if proxy.on_response is not None:
                     status, headers, data = proxy.on_response(

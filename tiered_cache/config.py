@@ -153,6 +153,10 @@ class S3Config(TierPolicy):
     connect_timeout_s: float = Field(2.0, gt=0)
     read_timeout_s: float = Field(10.0, gt=0)
     max_attempts: int = Field(4, ge=1, le=20)
+    # Without a capacity, the most objects the local index remembers (least recently
+    # written or read go first; a forgotten object is found again by a HEAD). With one,
+    # every object is indexed: each counts against the budget.
+    index_max_entries: int = Field(100_000, ge=1)
 
     @model_validator(mode="after")
     def _url(self) -> S3Config:
@@ -192,6 +196,9 @@ class AgentConfig(_Strict):
     allowed_uids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     usage_log_interval_s: float = Field(60.0, gt=0)
     pin_sync_interval_s: float = Field(2.0, gt=0)
+    # Bytes that queued background copies (write-through, promotions) may hold; a copy
+    # over it is skipped and counted (tiered_cache_background_dropped_total).
+    max_background_bytes: Size = Field(parse_size("256MiB"), ge=1)
     # A pin list (the YAML `tiered-cache pin export` writes) the agent imports at start-up
     # and on SIGHUP, as `tiered-cache pin import FILE` does (without --prune).
     pin_file: str | None = None

@@ -60,6 +60,13 @@ class StoreEvents:
     def pinned(self, tier: str, nbytes: int) -> None:
         """Bytes pinned in ``tier``."""
 
+    def background_bytes(self, nbytes: int) -> None:
+        """Bytes now held by queued background copies (write-through, promotions)."""
+
+    def background_dropped(self, kind: str, tier: str) -> None:
+        """A background copy of ``kind`` (write_through, promotion) to ``tier`` was
+        skipped: the byte budget of queued copies was spent."""
+
 
 class MetricsEvents(StoreEvents):
     """Events as the ``tiered_cache_*`` Prometheus series."""
@@ -121,3 +128,9 @@ class MetricsEvents(StoreEvents):
 
     def pinned(self, tier: str, nbytes: int) -> None:
         self.m.pinned_bytes.labels(tier).set(nbytes)
+
+    def background_bytes(self, nbytes: int) -> None:
+        self.m.background_bytes.set(nbytes)
+
+    def background_dropped(self, kind: str, tier: str) -> None:
+        self.m.background_dropped.labels(kind, tier).inc()

@@ -88,6 +88,18 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.background_bytes = Gauge(
+            p + "background_bytes",
+            "Bytes held by queued background copies (write-through, promotions)",
+            registry=r,
+        )
+        self.background_dropped = Counter(
+            p + "background_dropped",
+            "Background copies skipped: their byte budget was spent (kind: write_through, "
+            "promotion)",
+            ["kind", "tier"],
+            registry=r,
+        )
         self.read_errors = Counter(
             p + "read_errors", "Reads that failed (I/O)", ["tier"], registry=r
         )

@@ -81,6 +81,7 @@ def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True
                     connect_timeout=cfg.s3.connect_timeout_s,
                     read_timeout=cfg.s3.read_timeout_s,
                     max_attempts=cfg.s3.max_attempts,
+                    index_max_entries=cfg.s3.index_max_entries,
                     metrics=metrics,
                 ),
             )
@@ -133,6 +134,7 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
             location_ttl_s=cfg.location_ttl_s,
             verify_dram_reads=cfg.dram.verify_reads,
             peer_fetch=self._peer_fetch,
+            max_background_bytes=cfg.agent.max_background_bytes,
         )
         self._servers: list[asyncio.base_events.Server] = []
         self._local_tasks: set[asyncio.Task[None]] = set()  # one per connected client or peer

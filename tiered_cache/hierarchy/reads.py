@@ -52,6 +52,7 @@ class ReadsMixin:
         async def _write_tier(
             self, slot: TierSlot, key: str, data: bytes | bytearray | memoryview
         ) -> bool: ...
+        def _promote_bg(self, key: str, hit: Hit) -> None: ...
 
     async def contains(self, keys: Sequence[str]) -> dict[str, list[bool]]:
         return {s.name: await s.tier.contains_many(keys) for s in self.slots}
@@ -142,7 +143,7 @@ class ReadsMixin:
                 hit = await self._fetch_from_peer(key, src[5:], expect_fp)
                 if hit is not None:
                     if promote:
-                        self._spawn(self._promote(key, hit))
+                        self._promote_bg(key, hit)
                     return hit
                 continue
             slot = self.by_name[src]
@@ -188,7 +189,7 @@ class ReadsMixin:
         slot.eviction.on_access(key)
         slot.admission.on_access(key)
         if promote and slot is not self.slots[0]:
-            self._spawn(self._promote(key, hit))
+            self._promote_bg(key, hit)
         return hit
 
     async def _read_verified(

@@ -8,12 +8,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from policies import EntryInfo
 from tiered_cache import codec
 from tiered_cache.events import StoreEvents
+from tiered_cache.hierarchy.background import CopyBudget
 from tiered_cache.hierarchy.types import Hit, TierSlot
 from tiered_cache.tiers.base import SlotTier, TierError, TierFull
 
@@ -37,15 +38,20 @@ class SlotsMixin:
     _info: dict[str, EntryInfo]
     _prefetching: set[str]
     _missed: dict[str, float]
+    background: CopyBudget
 
     if TYPE_CHECKING:  # defined by TieredStore, PinsMixin and ReadsMixin
 
-        async def _make_room(self, slot: TierSlot, nbytes: int) -> None: ...
+        async def _make_room(
+            self, slot: TierSlot, nbytes: int
+        ) -> Callable[[], Awaitable[object]] | None: ...
         def _track(self, slot: TierSlot, key: str, size: int) -> None: ...
         async def _publish(self, tier: str, keys: Sequence[str]) -> None: ...
         def _is_pinned(self, tier: str, key: str) -> bool: ...
-        async def _write_tier_bg(self, slot: TierSlot, key: str, raw: bytes) -> None: ...
-        def _spawn(self, coro: Awaitable[None], sem: asyncio.Semaphore | None = None) -> None: ...
+        async def _write_down(self, key: str, raw: bytes, slots: Sequence[TierSlot]) -> None: ...
+        def _spawn(
+            self, coro: Awaitable[None], sem: asyncio.Semaphore | None = None, nbytes: int = 0
+        ) -> None: ...
         async def _plan(self, key: str) -> list[str]: ...
         async def _get_planned(
             self, key: str, plan: list[str], expect_fp: bytes | None, promote: bool
@@ -67,13 +73,16 @@ class SlotsMixin:
         top, tier = self._dram()
         if not tier.fits(nbytes):
             return None
-        async with self._locks[top.name]:
-            try:
-                await self._make_room(top, nbytes)
-                return tier.reserve(nbytes)
-            except TierFull:
-                self.events.write_failed(top.name, "full")
-                return None
+        while True:
+            async with self._locks[top.name]:
+                try:
+                    pending = await self._make_room(top, nbytes)
+                    if pending is None:
+                        return tier.reserve(nbytes)
+                except TierFull:
+                    self.events.write_failed(top.name, "full")
+                    return None
+            await pending()  # without the lock: a victim's copy down, or a wait for one
 
     def abort_dram(self, slot: int) -> None:
         tier = self._dram()[1]
@@ -90,32 +99,36 @@ class SlotsMixin:
     ) -> None:
         """Publish a client-filled slot, then copy it down per the lower tiers' write modes."""
         top, tier = self._dram()
-        if info is not None:
-            self._info[key] = info
         if tier.size_of(key) is not None:  # content-addressed: already here, keep it
+            if info is not None:
+                self._info[key] = info
             tier.abort(slot)
             top.eviction.on_access(key)
             return
         async with self._locks[top.name]:
             tier.commit(key, slot, length)
+            if info is not None:  # only once held: a refused commit leaves nothing behind
+                self._info[key] = info
             top.eviction.on_remove(key)
             self._track(top, key, length)
-        self.events.stored(top.name, length)
-        await self._publish(top.name, [key])
         through = [
             s
             for s in self.slots[1:]
             if s.write_mode == "write_through" or self._is_pinned(s.name, key)
         ]
-        if not through:
-            return
-        raw = bytes(tier.slot_view(slot)[:length])
-        coros = [self._write_tier_bg(s, key, raw) for s in through]
-        if wait:
-            await asyncio.gather(*coros)
-        else:
-            for c in coros:
-                self._spawn(c)
+        raw = None
+        # Copied before any await: once published the chunk may be evicted and its slot
+        # reused. Without ``wait`` only within the byte budget (skipped and counted over).
+        if through and (
+            wait or self.background.take(length, "write_through", [s.name for s in through])
+        ):
+            raw = bytes(tier.slot_view(slot)[:length])
+            if not wait:
+                self._spawn(self._write_down(key, raw, through), nbytes=length)
+        self.events.stored(top.name, length)
+        await self._publish(top.name, [key])
+        if raw is not None and wait:
+            await self._write_down(key, raw, through)
 
     async def lease(
         self,

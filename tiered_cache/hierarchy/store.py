@@ -15,24 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from policies import EntryInfo
 from tiered_cache.breaker import Breaker
 from tiered_cache.directory import Directory, Pin
 from tiered_cache.estimates import SourceEstimator
 from tiered_cache.events import MetricsEvents, StoreEvents
+from tiered_cache.hierarchy.background import DEFAULT_BACKGROUND_BYTES, CopyBudget
 from tiered_cache.hierarchy.pins import PinsMixin
 from tiered_cache.hierarchy.reads import ReadsMixin
 from tiered_cache.hierarchy.remote import RemoteMixin
 from tiered_cache.hierarchy.slots import SlotsMixin
-from tiered_cache.hierarchy.types import PeerFetch, TierSlot, header_info
+from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot, header_info
 from tiered_cache.metrics import Metrics
 from tiered_cache.tiers.base import SlotTier, TierError, TierFull
 
 log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
+REPUBLISH_BATCH = 1000  # keys per directory publish when refreshing them all
 
 
 class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
@@ -52,6 +55,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         verify_dram_reads: bool = False,
         peer_fetch: PeerFetch | None = None,
         max_background: int = 16,
+        max_background_bytes: int = DEFAULT_BACKGROUND_BYTES,
     ) -> None:
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
@@ -79,6 +83,12 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         self.estimates = SourceEstimator()
         self._typical_bytes = 0  # size of recent chunks, for ranking sources of unknown size
         self._locks = {s.name: asyncio.Lock() for s in self.slots}
+        # tier -> victims being copied to the write-back tier below, without the lock
+        self._demoting: dict[str, dict[str, asyncio.Event]] = {s.name: {} for s in self.slots}
+        # Bytes held by queued write-through copies and promotions (background.py).
+        self.background = CopyBudget(max_background_bytes, self.events)
+        for s in self.slots:  # a tier that forgets keys on its own (S3's bounded index)
+            s.tier.on_forget = functools.partial(self._tier_forgot, s)
         # The slot protocol (reserve/commit, leases) needs the top tier to be a pool.
         top = self.slots[0].tier
         self._pool: SlotTier | None = top if isinstance(top, SlotTier) else None
@@ -118,7 +128,12 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         if not self._is_pinned(slot.name, key):
             slot.eviction.on_insert(key, size, self._info.get(key))
 
-    def _spawn(self, coro: Awaitable[None], sem: asyncio.Semaphore | None = None) -> None:
+    def _spawn(
+        self, coro: Awaitable[None], sem: asyncio.Semaphore | None = None, nbytes: int = 0
+    ) -> None:
+        """Run ``coro`` in the background; ``nbytes`` taken from ``background`` by the
+        caller are given back when it ends."""
+
         async def run() -> None:
             async with sem or self._bg_sem:
                 try:
@@ -129,6 +144,8 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         t = asyncio.ensure_future(run())
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
+        if nbytes:  # also when cancelled before it ran
+            t.add_done_callback(lambda _: self.background.give(nbytes))
 
     async def _publish(self, tier: str, keys: Sequence[str]) -> None:
         if self.directory is not None and keys:
@@ -149,27 +166,68 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
 
     # ---------------------------------------------------------------- eviction
 
-    async def _make_room(self, slot: TierSlot, nbytes: int) -> None:
-        """Evict from ``slot`` until ``nbytes`` fit. Caller holds the tier's lock."""
+    async def _make_room(
+        self, slot: TierSlot, nbytes: int
+    ) -> Callable[[], Awaitable[object]] | None:
+        """Evict from ``slot`` until ``nbytes`` fit; None once they do. Caller holds the
+        tier's lock. A victim the write-back tier below lacks is not copied down here:
+        that is slow I/O (NVMe, S3), and every writer of this tier waits on the lock. What
+        is returned instead, the caller runs after letting go of the lock (copy that
+        victim down, or wait for another writer's copy to free room), then tries again."""
         tier = slot.tier
+        below = self._below(slot)
+        demoting = self._demoting[slot.name]
         while not tier.has_room(nbytes):
             # A chunk a reader holds would free nothing until it is released: the policy
             # steps over it without counting a read, so its rank stays as it was.
             chosen = slot.eviction.evict(1, tier.leased())
             if not chosen:
+                if demoting:  # victims being copied down free their room soon
+                    return next(iter(demoting.values())).wait
                 raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
-            await self._evict(slot, chosen[0], reason="capacity")
+            key = chosen[0]
+            if (
+                below is not None
+                and below.write_mode == "write_back"
+                and below.tier.size_of(key) is None
+            ):
+                done = demoting[key] = asyncio.Event()
+                return functools.partial(self._demote, slot, key, done)
+            await self._drop(slot, key, "capacity")
+        return None
 
-    async def _evict(self, slot: TierSlot, key: str, reason: str) -> None:
-        """Write ``key`` back below if that tier is write-back, then drop it from ``slot``.
-        The eviction policy has already let go of it."""
+    async def _demote(self, slot: TierSlot, key: str, done: asyncio.Event) -> None:
+        """Copy ``key``, a victim of ``slot`` (out of its policy already), to the
+        write-back tier below, then drop it from ``slot``. Runs without ``slot``'s lock:
+        meanwhile the victim stays readable in ``slot`` and other writers go on."""
         below = self._below(slot)
-        if below is not None and below.write_mode == "write_back":
+        assert below is not None
+        try:
             with contextlib.suppress(TierError):
                 if not (await below.tier.contains_many([key]))[0]:
                     raw = await slot.tier.get(key)
                     if raw is not None:
                         await self._write_tier(below, key, raw, demotion=True)
+        finally:
+            # Shielded: a victim left behind by a cancelled writer would stay resident
+            # and out of the policy, never evicted.
+            await asyncio.shield(self._demoted(slot, key, done))
+
+    async def _demoted(self, slot: TierSlot, key: str, done: asyncio.Event) -> None:
+        async with self._locks[slot.name]:
+            demoting = self._demoting[slot.name]
+            if demoting.get(key) is done:
+                del demoting[key]
+            try:
+                # Pinned while it was copied (or pinned and unpinned: back in the
+                # policy): it stays.
+                if not self._is_pinned(slot.name, key) and key not in slot.eviction:
+                    await self._drop(slot, key, "capacity")
+            finally:
+                done.set()
+
+    async def _drop(self, slot: TierSlot, key: str, reason: str) -> None:
+        """Remove ``key`` from ``slot``; the eviction policy has already let go of it."""
         if await slot.tier.delete(key):
             self.events.evicted(slot.name, reason)
             if self.directory is not None:
@@ -200,27 +258,32 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
             why.append("too_large")
             return False
         t0 = time.perf_counter()
-        async with self._locks[name]:
-            try:
-                if slot.tier.size_of(key) is not None:
-                    # Content-addressed: the tier already holds these bytes. Rewriting
-                    # would risk the copy (and a pinned one) for nothing.
-                    slot.eviction.on_access(key)
-                    return True
-                await self._make_room(slot, n)
-                await slot.tier.put(key, data)
-            except TierFull as e:
-                self.events.write_failed(slot.name, "full")
-                log.warning("%s refused %s: %s", slot.name, key, e)
-                why.append("full")
-                return False
-            except TierError as e:
-                self.events.write_failed(slot.name, "io")
-                log.warning("%s write of %s failed: %s", slot.name, key, e)
-                why.append("io")
-                return False
-            slot.eviction.on_remove(key)  # a replaced key is re-tracked once
-            self._track(slot, key, n)
+        while True:
+            async with self._locks[name]:
+                try:
+                    if slot.tier.size_of(key) is not None:
+                        # Content-addressed: the tier already holds these bytes. Rewriting
+                        # would risk the copy (and a pinned one) for nothing.
+                        slot.eviction.on_access(key)
+                        return True
+                    pending = await self._make_room(slot, n)
+                    if pending is None:
+                        await slot.tier.put(key, data)
+                except TierFull as e:
+                    self.events.write_failed(slot.name, "full")
+                    log.warning("%s refused %s: %s", slot.name, key, e)
+                    why.append("full")
+                    return False
+                except TierError as e:
+                    self.events.write_failed(slot.name, "io")
+                    log.warning("%s write of %s failed: %s", slot.name, key, e)
+                    why.append("io")
+                    return False
+                if pending is None:
+                    slot.eviction.on_remove(key)  # a replaced key is re-tracked once
+                    self._track(slot, key, n)
+                    break
+            await pending()  # without the lock: a victim's copy down, or a wait for one
         self.events.stored(name, n, time.perf_counter() - t0)
         if self.directory is not None:
             await self._publish(name, [key])
@@ -255,33 +318,46 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
                 if (s.write_mode == "write_through" or self._is_pinned(s.name, key))
                 and s.tier.size_of(key) is None
             ]
-            resident = await top.tier.get(key) if lacking else None
-            if resident is not None:
-                pending = [self._write_tier_bg(s, key, bytes(resident)) for s in lacking]
-                if wait:
-                    await asyncio.gather(*pending)
-                else:
-                    for job in pending:
-                        self._spawn(job)
+            if lacking:
+                await self._copy_resident(top, key, lacking, wait)
             return True
         raw = bytes(data) if not isinstance(data, bytes) else data
         stored = False
         why: list[str] = []
-        through: list[Awaitable[None]] = []
+        through: list[TierSlot] = []
         for i, slot in enumerate(self.slots):
             if i == 0 or not stored:
                 stored = await self._write_tier(slot, key, raw, why=why) or stored
                 continue
             if slot.write_mode == "write_through" or self._is_pinned(slot.name, key):
-                through.append(self._write_tier_bg(slot, key, raw))
+                through.append(slot)
         if not stored:
             self._dropped(key, len(raw), why)
-        if wait:
-            await asyncio.gather(*through)
-        else:
-            for c in through:
-                self._spawn(c)
+            self._forget_info(key)  # held nowhere: nothing to remember it for
+        if through and wait:
+            await self._write_down(key, raw, through)
+        elif through and self.background.take(len(raw), "write_through", _names(through)):
+            self._spawn(self._write_down(key, raw, through), nbytes=len(raw))
         return stored
+
+    async def _copy_resident(
+        self, top: TierSlot, key: str, lacking: Sequence[TierSlot], wait: bool
+    ) -> None:
+        """Copy a chunk the top tier holds to write-through tiers that lack it; in the
+        background within the byte budget unless ``wait``."""
+        n = top.tier.size_of(key) or 0
+        if not wait and not self.background.take(n, "write_through", _names(lacking)):
+            return  # before copying it out of the tier
+        resident = await top.tier.get(key)
+        if resident is None:  # evicted meanwhile
+            if not wait:
+                self.background.give(n)
+            return
+        job = self._write_down(key, bytes(resident), lacking)
+        if wait:
+            await job
+        else:
+            self._spawn(job, nbytes=n)
 
     def _dropped(self, key: str, nbytes: int, why: Sequence[str]) -> None:
         """A put no tier took: counted, and logged once per reason (never silent). The
@@ -299,8 +375,16 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
                 key, nbytes, reason, caps, reason,
             )
 
-    async def _write_tier_bg(self, slot: TierSlot, key: str, raw: bytes) -> None:
-        await self._write_tier(slot, key, raw)
+    def _promote_bg(self, key: str, hit: Hit) -> None:
+        """Copy a hit from below or from a peer into the top tier, in the background
+        within the byte budget (skipped and counted over it: the reader has its copy)."""
+        n = memoryview(hit.raw).nbytes if hit.raw is not None else hit.payload.nbytes
+        if self.background.take(n, "promotion", [self.slots[0].name]):
+            self._spawn(self._promote(key, hit), nbytes=n)
+
+    async def _write_down(self, key: str, raw: bytes, slots: Sequence[TierSlot]) -> None:
+        """Write-through copies of one chunk (one buffer for all ``slots``)."""
+        await asyncio.gather(*(self._write_tier(s, key, raw) for s in slots))
 
     async def flush(self) -> None:
         """Wait for pending background writes (write-through, promotions)."""
@@ -328,6 +412,13 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         if key in self._info and all(s.tier.size_of(key) is None for s in self.slots):
             del self._info[key]
 
+    def _tier_forgot(self, slot: TierSlot, key: str) -> None:
+        """``slot``'s tier dropped ``key`` from its index on its own (S3's bounded index:
+        the object lives on, found again by a HEAD): the policy and prefix info let go."""
+        if not self._is_pinned(slot.name, key):
+            slot.eviction.on_remove(key)
+        self._forget_info(key)
+
     # ---------------------------------------------------------------- admin
 
     def usage(self) -> dict[str, dict[str, int | None]]:
@@ -346,9 +437,10 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
     async def republish(self) -> None:
         """Refresh this node's directory entries (their TTLs let dead nodes age out)."""
         for s in self.slots:
-            keys = [k for k, _ in s.tier.entries()]
-            for i in range(0, len(keys), 1000):
-                await self._publish(s.name, keys[i : i + 1000])
+            keys = [k for k, _ in s.tier.entries()]  # bounded: S3's index is (index_max_entries)
+            for i in range(0, len(keys), REPUBLISH_BATCH):
+                await self._publish(s.name, keys[i : i + REPUBLISH_BATCH])
+                await asyncio.sleep(0)  # a page at a time: requests are served in between
 
     async def close(self) -> None:
         for t in list(self._peer_probes):  # a probe of a hung peer would outlive the loop
@@ -356,3 +448,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         await self.flush()
         for s in self.slots:
             await s.tier.close()
+
+
+def _names(slots: Sequence[TierSlot]) -> list[str]:
+    return [s.name for s in slots]

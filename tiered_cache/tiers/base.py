@@ -8,7 +8,7 @@ A tier that cannot take a chunk raises ``TierFull`` (capacity) or ``TierError`` 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,9 @@ class TierUsage:
 class Tier(abc.ABC):
     #: "dram", "nvme" or "s3": also the name used in configs, metrics and the directory.
     name: str
+    #: Set by the tiered store: called with each key a tier drops from its local index on
+    #: its own (S3's bounded index), so what is kept per key elsewhere goes too.
+    on_forget: Callable[[str], None] | None = None
 
     @abc.abstractmethod
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:

@@ -33,6 +33,7 @@ import random
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -128,6 +129,7 @@ class S3Tier(Tier):
         max_attempts: int = 4,
         multipart_threshold: int = 16 * 2**20,
         part_size: int = 8 * 2**20,
+        index_max_entries: int = 100_000,
         metrics: Metrics | None = None,
         client: S3Client | None = None,
     ) -> None:
@@ -144,6 +146,8 @@ class S3Tier(Tier):
             raise ValueError(f"part_size must be >= {MIN_PART_SIZE} (S3 multipart minimum)")
         if multipart_threshold < 1:
             raise ValueError("multipart_threshold must be >= 1")
+        if index_max_entries < 1:
+            raise ValueError("index_max_entries must be >= 1")
         self.bucket = bucket
         self.prefix = _normalise_prefix(prefix)
         self.endpoint_url = endpoint_url
@@ -153,6 +157,7 @@ class S3Tier(Tier):
         self.max_attempts = max_attempts
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
+        self.index_max_entries = index_max_entries
         self.metrics = metrics
 
         self._owns_client = client is None
@@ -178,8 +183,11 @@ class S3Tier(Tier):
         self._closed = False
 
         # Local index of this node's writes (plus the listing, when a budget is set).
-        # Only touched from the event loop thread, so it needs no lock.
-        self._index: dict[str, int] = {}
+        # Only touched from the event loop thread, so it needs no lock. Without a budget
+        # it is a cache, least recently written or read first out beyond
+        # ``index_max_entries`` (a forgotten object is found again by a HEAD); with one
+        # it holds every object, as each counts against the budget.
+        self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0
         self._reserved = 0  # bytes of puts in flight, so concurrent puts respect the budget
         self._opened = False
@@ -471,6 +479,8 @@ class S3Tier(Tier):
             if self._index.pop(key, None) is not None:  # deleted by someone else
                 self._recount()
             return None
+        if key in self._index:
+            self._index.move_to_end(key)
         if self.metrics is not None:
             self.metrics.bytes_read.labels(tier=self.name).inc(len(data))
         return data
@@ -556,8 +566,9 @@ class S3Tier(Tier):
             raise self._write_error(okey, e) from e
         finally:
             self._reserved -= n
-        self._used += n - self._index.get(key, 0)
-        self._index[key] = n
+        self._used += n - self._index.pop(key, 0)
+        self._index[key] = n  # newest last
+        self._trim_index()
         self._update_gauges()
         if self.metrics is not None:
             self.metrics.bytes_written.labels(tier=self.name).inc(n)
@@ -634,6 +645,15 @@ class S3Tier(Tier):
         self._client.meta.events.unregister("before-send.s3", unique_id=f"tiered-cache-{id(self)}")
         if self._owns_client:
             self._client.close()
+
+    def _trim_index(self) -> None:
+        if self.capacity_bytes is not None:
+            return
+        while len(self._index) > self.index_max_entries:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            if self.on_forget is not None:
+                self.on_forget(key)
 
     def _recount(self) -> None:
         self._used = sum(self._index.values())
