@@ -25,7 +25,6 @@ from tiered_cache.keys import ModelFingerprint
 
 pytest.importorskip("vllm")
 
-BS, CHUNK, LAYERS, H, HS = 16, 64, 2, 2, 8
 PROMPT = list(range(100, 250))  # 150 tokens: two full chunks and a tail
 BLOCKS = list(range(10, 20))
 
@@ -34,6 +33,8 @@ CONNECTOR_SRC = textwrap.dedent(
     """
     from types import SimpleNamespace
     import torch
+
+    BS, CHUNK, LAYERS, H, HS = 16, 64, 2, 2, 8
 
     def make_connector(model, role, kv_role, mc=None, **extra):
         import connectors.vllm as mod
@@ -47,7 +48,7 @@ CONNECTOR_SRC = textwrap.dedent(
             kv_connector="TieredCacheConnector",
             kv_connector_module_path="connectors.vllm",
             kv_role=kv_role,
-            kv_connector_extra_config={"chunk_size": %(chunk)d, **extra},
+            kv_connector_extra_config={"chunk_size": CHUNK, **extra},
         )
         cfg = SimpleNamespace(
             kv_transfer_config=ktc,
@@ -57,9 +58,9 @@ CONNECTOR_SRC = textwrap.dedent(
             load_config=SimpleNamespace(download_dir=None, load_format="auto"),
         )
         spec = FullAttentionSpec(
-            block_size=%(bs)d, num_kv_heads=%(h)d, head_size=%(hs)d, dtype=torch.float32
+            block_size=BS, num_kv_heads=H, head_size=HS, dtype=torch.float32
         )
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(%(layers)d)]
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         kcc = KVCacheConfig(
             num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
         )
@@ -71,12 +72,12 @@ CONNECTOR_SRC = textwrap.dedent(
         c = make_connector(model, "scheduler", "kv_consumer", **kw)
         return c.scheduler._fp.hex
     """
-    % {"chunk": CHUNK, "bs": BS, "h": H, "hs": HS, "layers": LAYERS}
 )
 _ns: dict[str, Any] = {}
 exec(compile(CONNECTOR_SRC, "<connector helper>", "exec"), _ns)
 make_connector = _ns["make_connector"]
 fingerprint = _ns["fingerprint"]
+BS, LAYERS, H, HS = _ns["BS"], _ns["LAYERS"], _ns["H"], _ns["HS"]
 
 
 @pytest.fixture
@@ -243,14 +244,18 @@ def test_registration_keeps_the_identity(checkpoint: Path) -> None:
 def test_unchanged_weights_give_the_same_fingerprint_in_another_process(
     checkpoint: Path,
 ) -> None:
+    """Stable across processes (no hash seed, no listing order), and still telling the
+    epochs apart there."""
     model = str(checkpoint)
-    here = fingerprint(model, cache_epoch="e1", mc={"revision": "v2"})
+    here = [fingerprint(model, cache_epoch=e, mc={"revision": "v2"}) for e in ("e1", "e2")]
     code = CONNECTOR_SRC + (
-        f"\nprint(fingerprint({model!r}, cache_epoch='e1', mc={{'revision': 'v2'}}))\n"
+        "\nfor e in ('e1', 'e2'):\n"
+        f"    print(fingerprint({model!r}, cache_epoch=e, mc={{'revision': 'v2'}}))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONHASHSEED": "12345"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == here
+    assert out.stdout.strip().splitlines()[-2:] == here
+    assert here[0] != here[1]
