@@ -115,6 +115,9 @@ class AgentClient:
         hello = call_sync(sock, encode(Hello()))
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
+        # The cluster's chunk MAC key when the agent has one: chunks written here carry a
+        # MAC that other nodes check (codec.py).
+        self.mac_key: bytes | None = hello.get("chunk_mac_key")
         self.slot_bytes: int = hello["slot_bytes"]
         # A chunk takes a run of slots: anything up to the pool's size fits.
         self.pool_bytes: int = int(hello.get("pool_bytes") or 0)
@@ -509,18 +512,17 @@ class AgentClient:
                 zip(items, payloads, slots, strict=True)
             ):
                 if slot is None:  # no room in DRAM (or too large): inline copy to the agent
-                    self._save_call(Put(meta.key, bytes(codec.encode(meta, payload)), wait))
+                    blob = codec.encode(meta, payload, mac_key=self.mac_key)
+                    self._save_call(Put(meta.key, blob, wait))
                     continue
                 dst = self._slot(slot, sizes[i])
-                fut = _HASH_POOL.submit(codec.checksum, payload)  # overlaps the copy
-                # numpy's copy releases the GIL, so the checksum thread really overlaps it.
+                # Checksum (and MAC) overlap the copy: numpy's copy releases the GIL.
+                fut = _HASH_POOL.submit(codec.pack_header, meta, payload, mac_key=self.mac_key)
                 np.copyto(
                     np.frombuffer(dst[codec.HEADER_SIZE :], dtype=np.uint8),
                     np.frombuffer(payload, dtype=np.uint8),
                 )
-                dst[: codec.HEADER_SIZE] = codec.pack_header(
-                    meta, payload, payload_checksum=fut.result()
-                )
+                dst[: codec.HEADER_SIZE] = fut.result()
                 commits.append(_commit_item(meta, slot, sizes[i]))
         except BaseException:
             self._save_call(Abort([s for s in slots if s is not None]))
@@ -556,16 +558,18 @@ class AgentClient:
         *,
         wait: bool = False,
     ) -> None:
-        """Checksum each filled payload (on the hash pool), write its header and commit."""
+        """Checksum (and MAC) each filled payload on the hash pool, write its header and
+        commit."""
         if res.gen != self._conn_gen:
             raise ConnectionLost("the agent restarted: the reserved slots are gone")
         views = res.views
-        sums = list(_HASH_POOL.map(codec.checksum, views))
+        heads = list(
+            _HASH_POOL.map(functools.partial(codec.pack_header, mac_key=self.mac_key), metas, views)
+        )
         commits: list[list[Any]] = []
-        for i, (meta, view, slot) in enumerate(zip(metas, views, res.slots, strict=True)):
+        for i, (meta, slot) in enumerate(zip(metas, res.slots, strict=True)):
             assert slot is not None
-            head = self._slot(slot, codec.HEADER_SIZE)
-            head[:] = codec.pack_header(meta, view, payload_checksum=sums[i])
+            self._slot(slot, codec.HEADER_SIZE)[:] = heads[i]
             commits.append(_commit_item(meta, slot, res.sizes[i]))
         self._save_call(Commit(commits, wait))
 

@@ -16,24 +16,38 @@ padding, so older chunks read as "no parent, position 0".
 The payload checksum is xxh3-64 (tens of GB/s); the header has its own checksum so a
 flipped bit in the shape or length is caught before the payload is trusted. Decoding
 returns a ``memoryview`` into the caller's buffer: no copy, no per-element work.
+
+Version 2 adds a keyed MAC (``mac`` 16s, right after ``position``): HMAC-SHA256 with the
+cluster's chunk key (``chunk_mac_key``), truncated to 128 bits, over a label, the header
+fields before it and the payload (HMAC-SHA256 runs at twice BLAKE2b's speed on CPUs with
+SHA extensions: bench/mac_cost.py). Checksums catch damage; only the MAC stops a writer without the
+key (a peer, the bucket, a shared disk) from planting KV that passes every check. A
+reader given a key refuses a version 1 chunk (no MAC) and a wrong MAC (``ChunkForged``);
+a reader without one checks none. Chunks written without a key stay version 1.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass, field
 
 import xxhash
 
 MAGIC = b"TKVC"
-VERSION = 1
+VERSION = 1  # without a MAC
+VERSION_MAC = 2  # with one
+MAC_SIZE = 16
+_MAC_LABEL = b"tiered-cache chunk MAC v2\0"  # domain separation: these MACs and no others
 HEADER_SIZE = 256
 MAX_DIMS = 8
 
 _FIXED = struct.Struct("<4sHHI16s16sII16s8sB7x8QQQ")
 _PREFIX = struct.Struct("<16sI")  # parent key, position
 _NO_PARENT = b"\0" * 16
-assert _FIXED.size + _PREFIX.size + 4 <= HEADER_SIZE
+_MAC_AT = _FIXED.size + _PREFIX.size
+assert _MAC_AT + MAC_SIZE + 4 <= HEADER_SIZE
 _HCRC = struct.Struct("<I")
 
 
@@ -47,6 +61,11 @@ class ChunkCorrupt(ChunkError):
 
 class ChunkMismatch(ChunkError):
     """Intact, but for another key, model fingerprint or KV layout."""
+
+
+class ChunkForged(ChunkError):
+    """The reader has a chunk key and the chunk's MAC is missing or wrong: written by
+    someone without the key (or with another one), or altered since."""
 
 
 class ChunkWrongKey(ChunkMismatch):
@@ -79,10 +98,30 @@ def checksum(payload: bytes | bytearray | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(payload))
 
 
+def chunk_mac_key(secret: bytes) -> bytes:
+    """The chunk MAC key of a cluster secret (``agent.peer_secret``): HMAC-SHA256 of a
+    fixed label, so the key that signs chunks is not the one the peer handshake proves."""
+    return hmac.digest(secret, b"tiered-cache chunk MAC key v1", "sha256")
+
+
+def _mac(key: bytes, head: bytes | memoryview, payload: bytes | bytearray | memoryview) -> bytes:
+    """The MAC of a chunk whose header fields before the MAC are ``head``. OpenSSL's HMAC
+    releases the GIL on large inputs, so MACs of several chunks run in parallel."""
+    h = hmac.new(key, _MAC_LABEL, hashlib.sha256)
+    h.update(head)
+    h.update(payload)
+    return h.digest()[:MAC_SIZE]
+
+
 def pack_header(
-    meta: ChunkMeta, payload: bytes | bytearray | memoryview, *, payload_checksum: int | None = None
+    meta: ChunkMeta,
+    payload: bytes | bytearray | memoryview,
+    *,
+    payload_checksum: int | None = None,
+    mac_key: bytes | None = None,
 ) -> bytes:
-    """Header for ``payload``; pass ``payload_checksum`` when already computed."""
+    """Header for ``payload``; pass ``payload_checksum`` when already computed. With
+    ``mac_key`` the header is version 2 and carries the chunk's MAC."""
     if len(meta.shape) > MAX_DIMS:
         raise ValueError(f"at most {MAX_DIMS} dims, got {len(meta.shape)}")
     if len(meta.fingerprint) != 16:
@@ -93,7 +132,7 @@ def pack_header(
     payload_len = memoryview(payload).nbytes
     fixed = _FIXED.pack(
         MAGIC,
-        VERSION,
+        VERSION if mac_key is None else VERSION_MAC,
         HEADER_SIZE,
         0,
         meta.fingerprint,
@@ -107,13 +146,17 @@ def pack_header(
         payload_len,
         checksum(payload) if payload_checksum is None else payload_checksum,
     ) + _PREFIX.pack(bytes.fromhex(meta.parent) if meta.parent else _NO_PARENT, meta.position)
+    if mac_key is not None:
+        fixed += _mac(mac_key, fixed, memoryview(payload).cast("B"))
     body = fixed + b"\0" * (HEADER_SIZE - 4 - len(fixed))
     return body + _HCRC.pack(xxhash.xxh32_intdigest(body))
 
 
-def encode(meta: ChunkMeta, payload: bytes | bytearray | memoryview) -> bytes:
+def encode(
+    meta: ChunkMeta, payload: bytes | bytearray | memoryview, *, mac_key: bytes | None = None
+) -> bytes:
     """Header plus payload as one buffer (one copy of the payload)."""
-    return pack_header(meta, payload) + bytes(memoryview(payload).cast("B"))
+    return pack_header(meta, payload, mac_key=mac_key) + bytes(memoryview(payload).cast("B"))
 
 
 def encoded_size(payload_len: int) -> int:
@@ -136,7 +179,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, int, i
     shape = f[11 : 11 + MAX_DIMS]
     payload_len, checksum = f[11 + MAX_DIMS], f[12 + MAX_DIMS]
     parent, position = _PREFIX.unpack_from(body, _FIXED.size)
-    if version != VERSION or hlen != HEADER_SIZE:
+    if version not in (VERSION, VERSION_MAC) or hlen != HEADER_SIZE:
         raise ChunkCorrupt(f"unsupported chunk version {version} (header {hlen})")
     if ndim > MAX_DIMS:
         raise ChunkCorrupt(f"bad ndim {ndim}")
@@ -160,8 +203,11 @@ def decode(
     expect_key: str | None = None,
     expect_fingerprint: bytes | None = None,
     verify_payload: bool = True,
+    mac_key: bytes | None = None,
 ) -> tuple[ChunkMeta, memoryview]:
-    """Verify a whole chunk and return (meta, payload view). Raises ``ChunkError``."""
+    """Verify a whole chunk and return (meta, payload view). Raises ``ChunkError``. With
+    ``mac_key``, a chunk without a MAC or with a wrong one raises ``ChunkForged``; the MAC
+    covers the payload, so its checksum is not computed again."""
     mv = memoryview(buf).cast("B")
     meta, payload_len, checksum = parse_header(mv)
     if mv.nbytes != HEADER_SIZE + payload_len:
@@ -169,6 +215,13 @@ def decode(
             f"size mismatch: have {mv.nbytes} bytes, header says {HEADER_SIZE + payload_len}"
         )
     payload = mv[HEADER_SIZE:]
+    if mac_key is not None:
+        if mv[4] != VERSION_MAC:  # the version's low byte (little endian)
+            raise ChunkForged("no MAC: written without the cluster's chunk key")
+        got = bytes(mv[_MAC_AT : _MAC_AT + MAC_SIZE])
+        if not hmac.compare_digest(got, _mac(mac_key, mv[:_MAC_AT], payload)):
+            raise ChunkForged("MAC mismatch: another key wrote it, or it was altered since")
+        verify_payload = False
     if verify_payload and xxhash.xxh3_64_intdigest(payload) != checksum:
         raise ChunkCorrupt("payload checksum mismatch")
     if expect_key is not None and meta.key != expect_key:

@@ -42,6 +42,9 @@ class StoreEvents:
     def verify_failed(self, source: str) -> None:
         """A chunk from ``source`` failed verification (it is a miss, never data)."""
 
+    def forged(self, source: str) -> None:
+        """A chunk from ``source`` failed its MAC check (a miss, never data)."""
+
     def dropped(self, reason: str) -> None:
         """A chunk was stored in no tier at all (reason: the most telling refusal)."""
 
@@ -107,6 +110,9 @@ class MetricsEvents(StoreEvents):
 
     def verify_failed(self, source: str) -> None:
         self.m.verification_failures.labels(source).inc()
+
+    def forged(self, source: str) -> None:
+        self.m.forged_chunks.labels(source).inc()
 
     def dropped(self, reason: str) -> None:
         self.m.chunks_dropped.labels(reason).inc()

@@ -106,6 +106,12 @@ class Metrics:
         self.verification_failures = Counter(
             p + "verification_failures", "Chunks that failed verification", ["tier"], registry=r
         )
+        self.forged_chunks = Counter(
+            p + "forged_chunks",
+            "Chunks refused for a missing or wrong MAC (tier: nvme, s3, peer)",
+            ["tier"],
+            registry=r,
+        )
         self.pinned_bytes = Gauge(p + "pinned_bytes", "Pinned bytes", ["tier"], registry=r)
         self.used_bytes = Gauge(p + "used_bytes", "Bytes used", ["tier"], registry=r)
         self.capacity_bytes = Gauge(p + "capacity_bytes", "Capacity", ["tier"], registry=r)

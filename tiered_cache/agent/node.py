@@ -15,7 +15,7 @@ from typing import Any
 from policies import make_admission, make_eviction
 from tiered_cache.agent.admin import AdminOps
 from tiered_cache.agent.local import Handler, LocalServer
-from tiered_cache.agent.peers import PeerLink
+from tiered_cache.agent.peers import PeerLink, chunk_mac_key
 from tiered_cache.agent.sync import DirectorySync
 from tiered_cache.config import CacheConfig
 from tiered_cache.directory import Directory, LocalDirectory, ModelRegistration, RedisDirectory
@@ -134,6 +134,7 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
             location_ttl_s=cfg.location_ttl_s,
             verify_dram_reads=cfg.dram.verify_reads,
             peer_fetch=self._peer_fetch,
+            mac_key=chunk_mac_key(cfg.agent),
             max_background_bytes=cfg.agent.max_background_bytes,
         )
         self._servers: list[asyncio.base_events.Server] = []

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import msgpack
 
+from tiered_cache import codec
 from tiered_cache.agent.state import AgentState
 from tiered_cache.hierarchy.remote import PROBE_KEY
 from tiered_cache.hierarchy.types import PeerSkipped
@@ -95,6 +96,13 @@ def _is_nonce(v: object) -> TypeGuard[bytes]:
 def _secret(cfg: AgentConfig) -> bytes | None:
     s = cfg.peer_secret
     return None if s is None else s.get_secret_value().encode()
+
+
+def chunk_mac_key(cfg: AgentConfig) -> bytes | None:
+    """The key chunks are signed with (``codec.chunk_mac_key`` of ``agent.peer_secret``),
+    or None without a secret: then chunks carry no MAC and none is checked."""
+    s = _secret(cfg)
+    return None if s is None else codec.chunk_mac_key(s)
 
 
 async def peer_handshake(

@@ -33,6 +33,7 @@ class ReadsMixin:
     events: StoreEvents
     estimates: SourceEstimator
     verify_dram_reads: bool
+    mac_key: bytes | None
     _typical_bytes: int
     _missed: dict[str, float]
 
@@ -41,6 +42,7 @@ class ReadsMixin:
         async def _remote_sources(self, keys: Sequence[str]) -> list[str | None]: ...
         def _best_peer_s(self, size: int) -> float: ...
         def peer_usable(self, node: str) -> bool: ...
+        async def _forged(self, source: str, key: str, e: codec.ChunkForged) -> None: ...
         async def _fetch_from_peer(
             self, key: str, node: str, expect_fp: bytes | None
         ) -> Hit | None: ...
@@ -211,7 +213,11 @@ class ReadsMixin:
                 expect_key=key,
                 expect_fingerprint=expect_fp,
                 verify_payload=self.verify_dram_reads or name != "dram",
+                mac_key=None if name == "dram" else self.mac_key,
             )
+        except codec.ChunkForged as e:
+            await self._forged(name, key, e)
+            return None
         except codec.ChunkError as e:
             await self._unusable(name, key, e)
             return None

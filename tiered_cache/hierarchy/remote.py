@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from tiered_cache import codec
@@ -37,6 +37,7 @@ class RemoteMixin:
     by_name: dict[str, TierSlot]
     events: StoreEvents
     estimates: SourceEstimator
+    mac_key: bytes | None
     _typical_bytes: int
     _peer_breakers: dict[str, Breaker]
     _peer_probes: set[asyncio.Task[None]]
@@ -44,6 +45,16 @@ class RemoteMixin:
     if TYPE_CHECKING:  # defined by TieredStore
 
         def _observe(self, source: str, nbytes: int, seconds: float) -> None: ...
+        async def delete(self, key: str, tiers: Iterable[str] | None = None) -> None: ...
+
+    async def _forged(self, source: str, key: str, e: codec.ChunkForged) -> None:
+        """A copy from ``source`` failed the MAC: a miss, counted, never loaded. This
+        node's NVMe copy is deleted (so a good copy can take its place); an S3 object is
+        left: a node with the wrong secret must not delete the cluster's chunks."""
+        log.warning("%s chunk %s refused (%s)", source, key, e)
+        self.events.forged(source)
+        if source == "nvme":
+            await self.delete(key, tiers=[source])
 
     def _peer_breaker(self, node: str) -> Breaker:
         b = self._peer_breakers.get(node)
@@ -159,7 +170,12 @@ class RemoteMixin:
             return None
         raw, dt = got
         try:
-            meta, payload = codec.decode(raw, expect_key=key, expect_fingerprint=expect_fp)
+            meta, payload = codec.decode(
+                raw, expect_key=key, expect_fingerprint=expect_fp, mac_key=self.mac_key
+            )
+        except codec.ChunkForged as e:
+            await self._forged("peer", key, e)
+            return None
         except codec.ChunkError as e:
             log.warning("peer %s sent a bad chunk %s: %s", node, key, e)
             self.events.verify_failed("peer")

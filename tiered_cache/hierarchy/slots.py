@@ -40,7 +40,11 @@ class SlotsMixin:
     _missed: dict[str, float]
     background: CopyBudget
 
-    if TYPE_CHECKING:  # defined by TieredStore, PinsMixin and ReadsMixin
+    mac_key: bytes | None
+
+    if TYPE_CHECKING:  # defined by TieredStore, PinsMixin, ReadsMixin and RemoteMixin
+
+        async def _forged(self, source: str, key: str, e: codec.ChunkForged) -> None: ...
 
         async def _make_room(
             self, slot: TierSlot, nbytes: int
@@ -205,7 +209,16 @@ class SlotsMixin:
             n = await slot.tier.get_into(key, dram.slot_view(s)[:size])
             if n is None:
                 raise TierError("vanished")
-            codec.decode(dram.slot_view(s)[:n], expect_key=key, expect_fingerprint=expect_fp)
+            codec.decode(
+                dram.slot_view(s)[:n],
+                expect_key=key,
+                expect_fingerprint=expect_fp,
+                mac_key=self.mac_key,
+            )
+        except codec.ChunkForged as e:
+            dram.abort(s)
+            await self._forged("nvme", key, e)
+            return None
         except (codec.ChunkError, TierError, ValueError) as e:
             dram.abort(s)
             if isinstance(e, codec.ChunkError):

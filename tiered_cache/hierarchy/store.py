@@ -55,6 +55,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         verify_dram_reads: bool = False,
         peer_fetch: PeerFetch | None = None,
         max_background: int = 16,
+        mac_key: bytes | None = None,
         max_background_bytes: int = DEFAULT_BACKGROUND_BYTES,
     ) -> None:
         if not tiers:
@@ -79,6 +80,10 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         # them on every read would cost as much as the copy itself.
         self.verify_dram_reads = verify_dram_reads
         self.peer_fetch = peer_fetch
+        # The cluster's chunk MAC key (codec.py): every copy read from NVMe, S3 or a peer
+        # must carry its MAC. DRAM copies are not checked: only this node's own writers
+        # (who hold the key) fill the pool, and those read from elsewhere were checked.
+        self.mac_key = mac_key
         # Expected time per source (dram, nvme, peer:<node>, s3), from real transfers.
         self.estimates = SourceEstimator()
         self._typical_bytes = 0  # size of recent chunks, for ranking sources of unknown size
