@@ -296,7 +296,9 @@ def recv_frame(s: socket.socket) -> Any:
     return msgpack.unpackb(recv_exact(s, n), raw=False)
 
 
-def peer_connect(addr: tuple[str, int], secret: bytes | None, timeout: float = 10.0) -> socket.socket:
+def peer_connect(
+    addr: tuple[str, int], secret: bytes | None, timeout: float = 10.0
+) -> socket.socket:
     """A TCP connection to a peer port, through the handshake when ``secret`` is given
     (EOFError or AssertionError when the server refuses or fails it)."""
     s = socket.create_connection(addr, timeout=timeout)
@@ -476,8 +478,10 @@ def phase_load(
             if not rss_warm and now - t0 >= warmup:
                 rss_warm = samples[-1][1]
             if now >= next_say:
-                say(f"load: {n['ops']:,} ops in {now - t0:.0f}/{seconds:.0f} s, agent RSS "
-                    f"{samples[-1][1] / MiB:.0f} MiB, {served.wrong} wrong, {n['errors']} errors")
+                say(
+                    f"load: {n['ops']:,} ops in {now - t0:.0f}/{seconds:.0f} s, agent RSS "
+                    f"{samples[-1][1] / MiB:.0f} MiB, {served.wrong} wrong, {n['errors']} errors"
+                )
                 next_say = now + 10
             stop.wait(1.0)  # the sampling interval
         stop.set()
@@ -501,9 +505,9 @@ def phase_load(
         "rss_peak_mib": round(max((r for _, r in samples), default=0) / MiB, 1),
         "rss_growth": round((rss_last - rss_warm) / rss_warm, 4) if rss_warm else None,
         # Idle, every slot is free or holds a chunk, and no lease is held.
-        "leaked_slots": probed if books is None else (
-            books["num_slots"] - books["free_slots"] - books["chunk_slots"] + books["leases"]
-        ),
+        "leaked_slots": probed
+        if books is None
+        else (books["num_slots"] - books["free_slots"] - books["chunk_slots"] + books["leases"]),
         "leaked_slots_probe": probed,
         "pool_books": books,
         "agent_alive": alive,
@@ -571,6 +575,7 @@ def kill9_trial(
                 served.check(key, got[1])
         agent.admin("clear", tier="dram")
         from_nvme = Served()
+
         def sink(i: int, meta: codec.ChunkMeta, payload: memoryview) -> None:
             from_nvme.check(acked_now[i], payload)
 
@@ -611,8 +616,10 @@ def phase_kill9(tmp: Path, trials: int, seed: int = 1) -> dict[str, Any]:
             out["torn_or_wrong_served"] += r["torn_or_wrong"]
             out["lost_acked"] += r["lost_acked"]
             bad += r["wrong_keys"] + r["lost_keys"]
-            say(f"kill -9 trial {t + 1}/{trials}: {r['acked']} acked, {r['attempted']} tried,"
-                f" {r['torn_or_wrong']} wrong, {r['lost_acked']} lost")
+            say(
+                f"kill -9 trial {t + 1}/{trials}: {r['acked']} acked, {r['attempted']} tried,"
+                f" {r['torn_or_wrong']} wrong, {r['lost_acked']} lost"
+            )
     out["seconds"] = round(time.monotonic() - t0, 1)
     out["bad_keys"] = bad[:10]
     return out
@@ -811,7 +818,9 @@ class Fuzzer:
         if k == 8:
             return [self.junk(depth + 1) for _ in range(r.randrange(5))]
         if k == 9:
-            return {str(self.junk(depth + 1))[:20]: self.junk(depth + 1) for _ in range(r.randrange(4))}
+            return {
+                str(self.junk(depth + 1))[:20]: self.junk(depth + 1) for _ in range(r.randrange(4))
+            }
         if k == 10:
             return [self.key() for _ in range(r.randrange(20))]
         return [[self.key(), r.choice(_INTS), r.choice(_INTS), self.junk(depth + 1), r.choice(_INTS)]
@@ -1125,8 +1134,10 @@ def phase_fuzz(
                         c = agent.client()
                         c.put_many([item(key)])
                         c.close()
-                say(f"fuzz {name}: {done:,}/{frames:,} frames, agent RSS {agent.rss() / MiB:.0f}"
-                    f" MiB, {len(crashes)} crashes")
+                say(
+                    f"fuzz {name}: {done:,}/{frames:,} frames, agent RSS {agent.rss() / MiB:.0f}"
+                    f" MiB, {len(crashes)} crashes"
+                )
         elapsed = time.monotonic() - t0
         rss1 = agent.rss()
         lines = agent.log_lines() - lines0
@@ -1196,8 +1207,9 @@ def unauthorized_peer_reads(addr: tuple[str, int], key: str, secret: bytes) -> d
     out: dict[str, int] = {}
     for name, fn in tries.items():
         got: bytes | None = None
-        with socket.create_connection(addr, timeout=15) as s, contextlib.suppress(
-            OSError, EOFError, ValueError, msgpack.UnpackException
+        with (
+            socket.create_connection(addr, timeout=15) as s,
+            contextlib.suppress(OSError, EOFError, ValueError, msgpack.UnpackException),
         ):
             got = fn(s)
         out[name] = int(got is not None)
@@ -1221,8 +1233,10 @@ def unauthorized_admin(agent: Agent, key: str) -> dict[str, int]:
                 s.sendall(pack({"op": op, "v": 2, **kw, "token": token}))
                 reply = recv_frame(s)
             # Refused for want of the token, not for some other fault of the request.
-            refused = isinstance(reply, dict) and reply.get("ok") is False and (
-                reply.get("kind") == "auth"
+            refused = (
+                isinstance(reply, dict)
+                and reply.get("ok") is False
+                and (reply.get("kind") == "auth")
             )
             out[f"socket_{op}_{'none' if token is None else 'wrong'}"] = int(not refused)
     env = {k: v for k, v in os.environ.items() if k != "TIERED_CACHE_TOKEN"}

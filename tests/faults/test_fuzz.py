@@ -23,9 +23,7 @@ from tiered_cache.protocol import REQUESTS
 
 
 def on_node(tmp: Path, node: NetNodes, **kw: Any) -> dict[str, Any]:
-    return soak.phase_fuzz(
-        tmp, prefix=node.prefix("agent"), peer_host=node.addr("agent"), **kw
-    )
+    return soak.phase_fuzz(tmp, prefix=node.prefix("agent"), peer_host=node.addr("agent"), **kw)
 
 
 @pytest.mark.timeout(60)
