@@ -72,9 +72,7 @@ _WEIGHT_NAMES = ("config.json", "params.json")
 
 
 def _is_weights_file(name: str) -> bool:
-    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_NAMES or name.endswith(
-        ".index.json"
-    )
+    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_NAMES or name.endswith(".index.json")
 
 
 def weights_identity(
