@@ -65,8 +65,8 @@ class AdminOps(AgentState):
         want = self.cfg.agent.auth_token
         if kind in ADMIN and want is not None and not token_matches(getattr(req, "token", None), want):
             raise PermissionError(
-                f"{req.op} refused: needs the admin token (agent.auth_token); the CLI takes"
-                " --token or TIERED_CACHE_TOKEN"
+                f"{req.op} refused: needs the admin token (the agent's auth token; the CLI"
+                " takes --token or TIERED_CACHE_TOKEN)"
             )
 
     def _admin_handlers(self) -> dict[type[Request], Handler]:
