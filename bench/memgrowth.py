@@ -149,9 +149,11 @@ def run(
         proc.terminate()
         try:
             proc.wait(30)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # e.g. still copying its queue to a slow S3
             proc.kill()
             proc.wait(10)
+        for seg in (cfg.dram_shm_name, f"{cfg.dram_shm_name}_ix"):  # a killed agent's pool
+            Path("/dev/shm", seg).unlink(missing_ok=True)
     warm_at = int(warmup * chunks)
     warm = next(s for s in samples if s[0] >= warm_at)
     end = samples[-1]
