@@ -181,3 +181,28 @@ def test_without_a_secret_chunks_stay_in_the_old_format(
         assert blob[4] == codec.VERSION
         got = c.get_many([k], FP.digest)
         assert got[0] is not None and bytes(got[0][1]) == payload(0)
+
+
+def test_the_mac_key_goes_only_to_local_clients_that_may_write(tmp_path: Path) -> None:
+    """A local uid that may not write chunks (``agent.allowed_uids``) gets no key to sign
+    them with; the agent's own uid gets the key derived from its secret."""
+    import shutil
+    import tempfile
+
+    from test_admin_auth import NOBODY, _agent, as_uid, raw_frame
+
+    shared = Path(tempfile.mkdtemp(prefix="tc-mac-", dir="/tmp"))
+    shared.chmod(0o711)  # another uid must reach the socket (pytest's dirs are 0700)
+    sock, proc = _agent(tmp_path, shared, peer_secret=X)
+    try:
+        (hello,) = as_uid(NOBODY, sock, [raw_frame("hello")])
+        assert hello["ok"] and hello["chunk_mac_key"] is None
+        c = AgentClient(sock, attach_pool=False)
+        try:
+            assert c.mac_key == KX
+        finally:
+            c.close()
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(shared, ignore_errors=True)

@@ -177,9 +177,9 @@ class LocalServer(AgentState):
             "num_slots": pool.num_slots if pool else 0,
             "pool_bytes": pool.pool_bytes if pool else 0,
             "tiers": [s.name for s in self.store.slots],
-            # Writers on this node sign their chunks with it (only local clients reach
-            # this socket; the peer secret it derives from never leaves the agent).
-            "chunk_mac_key": self.store.mac_key,
+            # Writers on this node sign their chunks with it; a client that may not write
+            # gets none. The peer secret it derives from never leaves the agent.
+            "chunk_mac_key": self.store.mac_key if conn.trusted else None,
         }
 
     async def _lookup(self, conn: _Conn, req: Lookup) -> dict[str, Any]:
