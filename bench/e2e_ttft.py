@@ -508,7 +508,8 @@ def run(
     # alternating on fresh prompts (nothing cached), same worker thread count.
     pairs = 3 if runs == 1 else 5
     say(f"producer vs plain vLLM: {pairs} alternating pairs of fresh prompts")
-    plain_s, producer_s = [], []
+    plain_s: list[float] = []
+    producer_s: list[float] = []
     for i in range(pairs):
         fresh_prompt = [int(x) for x in rng.integers(10, 500, PROMPT_TOKENS)]
         order = [(rec, plain_s), (pre, producer_s)]

@@ -52,7 +52,7 @@ def bench_dram(size: int, iters: int, tmp: Path) -> dict[str, Any]:
     from tiered_cache.client import AgentClient
 
     payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
-    mv = memoryview(payload)
+    mv = memoryview(payload.data)
     dst = np.empty_like(payload)
     batches = max(3, iters // 4)
     groups = batches + 2  # + the warm-up calls, which must not pre-store timed batches
@@ -188,7 +188,7 @@ def bench_nvme(size: int, iters: int, root: Path) -> dict[str, Any]:
     # the tier bounces through.
     buf = hugepage_buffer(padded)
     rnd = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
-    blob = codec.encode(_meta("0" * 32, size), memoryview(rnd))
+    blob = codec.encode(_meta("0" * 32, size), memoryview(rnd.data))
     buf[: len(blob)] = blob
     raw_dir = root / "raw"
     raw_dir.mkdir()
@@ -198,7 +198,7 @@ def bench_nvme(size: int, iters: int, root: Path) -> dict[str, Any]:
 
     tier = NVMeTier(root / "tier", None, o_direct=True)
     keys = _keys(iters + 2, f"nvme{size}")
-    blobs = {k: codec.encode(_meta(k, size), memoryview(rnd)) for k in keys}
+    blobs = {k: codec.encode(_meta(k, size), memoryview(rnd.data)) for k in keys}
 
     def key(i: int) -> str:
         return keys[max(i, -2) + 2]
@@ -257,7 +257,7 @@ def bench_s3(size: int, iters: int) -> dict[str, Any]:
         raw = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
         raw.create_bucket(Bucket="bench")
         rnd = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8)
-        blob = codec.encode(_meta("0" * 32, size), memoryview(rnd))
+        blob = codec.encode(_meta("0" * 32, size), memoryview(rnd.data))
         # moto is one CPU-bound process that re-reads the whole object for every range:
         # parallel parts only add work there, so the bench uses single-request transfers
         # (against real S3, keep the default 8 MiB ranged/multipart transfers).

@@ -830,7 +830,7 @@ def summarise(res: dict[str, Any]) -> None:
     p99: dict[str, dict[int, dict[str, float]]] = {}
     for name, spec in RATIOS.items():
         tier, mode, op, ours = spec[:4]
-        theirs = spec[4] if len(spec) > 4 else "lmcache"  # type: ignore[misc]
+        theirs = spec[4] if len(spec) > 4 else "lmcache"
         vals: dict[int, float | None] = {}
         for mib in sizes:
             t = res[tier].get(mib, {})
@@ -863,7 +863,7 @@ def print_table(res: dict[str, Any]) -> None:
     rows: list[tuple[str, ...]] = []
     for name, spec in RATIOS.items():
         tier, mode, op, ours = spec[:4]
-        theirs = spec[4] if len(spec) > 4 else "lmcache"  # type: ignore[misc]
+        theirs = spec[4] if len(spec) > 4 else "lmcache"
         for mib in res["sizes_mib"]:
             t = res[tier].get(mib, {})
             if mode is not None:
