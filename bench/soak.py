@@ -743,15 +743,18 @@ def phase_s3(tmp: Path, moto_url: str, puts: int = 300, stall_s: float = 3.0) ->
         with running(agent):
             c = agent.client()
             try:
+                # Stalls first: once S3 has failed, the S3 tier's breaker sends nothing
+                # until its back-off ends, so a later fault would meet few requests.
                 faults: dict[str, Callable[[], None]] = {
                     "healthy": proxy.clear,
-                    "error_500": lambda: proxy.fail_next(-1, 500),
                     "stall": lambda: proxy.stall_next(-1, stall_s),
+                    "error_500": lambda: proxy.fail_next(-1, 500),
                 }
                 for name, arm in faults.items():
                     arm()
                     times: list[float] = []
                     rss0 = agent.rss()
+                    seen0, hit0 = proxy.requests, proxy.faults_injected
                     for i in range(puts):
                         key = key_of(f"s3-{name}", i)
                         t = time.perf_counter()
@@ -765,6 +768,8 @@ def phase_s3(tmp: Path, moto_url: str, puts: int = 300, stall_s: float = 3.0) ->
                         "put_p99_ms": round(_pct(times, 0.99) * 1e3, 2),
                         "put_max_ms": round(max(times) * 1e3, 2),
                         "rss_growth_mib": round((agent.rss() - rss0) / MiB, 1),
+                        "s3_requests": proxy.requests - seen0,
+                        "faults_injected": proxy.faults_injected - hit0,
                     }
                     say(f"s3 {name}: put p99 {out[name]['put_p99_ms']} ms")
                 proxy.clear()
@@ -1271,7 +1276,9 @@ def forgeries(key: str, donor: bytes) -> dict[str, bytes]:
     }
 
 
-def phase_auth(tmp: Path, moto_url: str | None) -> dict[str, Any]:
+def phase_auth(tmp: Path, moto_url: str | None, with_secret: bool = True) -> dict[str, Any]:
+    """``with_secret=False``: the same attacks on an agent without ``agent.peer_secret``
+    (no handshake, no chunk MAC), to show what the secret is for."""
     import boto3
 
     secret = f"soak-auth-secret-{uuid.uuid4().hex}".encode()
@@ -1280,7 +1287,8 @@ def phase_auth(tmp: Path, moto_url: str | None) -> dict[str, Any]:
     over: dict[str, Any] = {
         "nvme": {"enabled": True, "path": str(tmp / "auth-nvme"), "capacity": 32 * MiB,
                  "write_mode": "write_through"},
-        "agent": {"peer_port": port, "peer_secret": secret.decode(), "auth_token": ADMIN_TOKEN},
+        "agent": {"peer_port": port, "auth_token": ADMIN_TOKEN,
+                  "peer_secret": secret.decode() if with_secret else None},
     }  # fmt: skip
     s3 = None
     if moto_url is not None:
@@ -1296,7 +1304,9 @@ def phase_auth(tmp: Path, moto_url: str | None) -> dict[str, Any]:
             keys = [key_of("auth", i) for i in range(8)]
             c.put_many([item(k) for k in keys], wait=True)
             peer = unauthorized_peer_reads(("127.0.0.1", port), keys[0], secret)
-            with contextlib.closing(peer_connect(("127.0.0.1", port), secret)) as p:
+            with contextlib.closing(
+                peer_connect(("127.0.0.1", port), secret if with_secret else None)
+            ) as p:
                 got = peer_fetch(p, keys[0])  # the control: with the secret it works
             out["peer"] = peer
             out["peer_with_secret_ok"] = got is not None
@@ -1353,7 +1363,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, help="load phase length (default 10; 1.5 quick)")
     ap.add_argument("--threads", type=int, default=4, help="client threads in the load phase")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--phases", default="load,kill9,redis,s3,fuzz,auth")
+    ap.add_argument("--phases", default="load,kill9,redis,s3,fuzz,auth,auth_no_secret")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = ap.parse_args()
     q = args.quick
@@ -1379,6 +1389,7 @@ def main() -> None:
             "fuzz": lambda: phase_fuzz(tmp, 12000 if q else 70000, 8000 if q else 40000,
                                        args.seed),
             "auth": lambda: phase_auth(tmp, moto),
+            "auth_no_secret": lambda: phase_auth(tmp, moto, with_secret=False),
         }  # fmt: skip
         for name in phases:
             say(f"phase {name}")
@@ -1409,6 +1420,7 @@ def main() -> None:
         "idle_1000_service_ok": (((g("fuzz") or {}).get("idle")) or {}).get("service_ok"),
         "forged_accepted": (g("auth") or {}).get("forged_accepted"),
         "unauthorized_accepted": (g("auth") or {}).get("unauthorized_accepted"),
+        "forged_accepted_without_secret": (g("auth_no_secret") or {}).get("forged_accepted"),
     }
     res = {**summary, **res}
     for k, v in summary.items():
