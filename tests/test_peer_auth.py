@@ -28,14 +28,18 @@ SECRET = "peer-auth-test-secret-0123456789"
 
 
 @asynccontextmanager
-async def started(tmp: Path, secret: str | None, serve: bool) -> AsyncIterator[NodeAgent]:
+async def started(
+    tmp: Path, secret: str | None, serve: bool, nvme: bool = False
+) -> AsyncIterator[NodeAgent]:
     tag = uuid.uuid4().hex[:8]
     port = 0 if serve else None
-    cfg = {
+    cfg: dict[str, object] = {
         "node_id": f"pa-{tag}",
         "dram": {"capacity": "4MiB", "shm_name": f"tcpa_{tag}"},
         "agent": {"socket": str(tmp / f"{tag}.sock"), "peer_port": port, "peer_secret": secret},
     }
+    if nvme:
+        cfg["nvme"] = {"enabled": True, "path": str(tmp / f"nvme-{tag}"), "capacity": "16MiB"}
     agent = NodeAgent(load_config(cfg))
     await agent.start()
     try:
@@ -151,3 +155,31 @@ def test_the_secret_stays_out_of_reprs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SECRET not in repr(cfg) and SECRET not in str(cfg.agent)
     assert cfg.agent.peer_secret is not None
     assert cfg.agent.peer_secret.get_secret_value() == SECRET
+
+
+@pytest.mark.parametrize("bad", ["zz", "AB" * 16, "ab" * 16 + "\n", "ab" * 17])
+async def test_a_fetch_of_a_malformed_key_is_a_miss_on_a_connection_that_serves_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: str
+) -> None:
+    """An authenticated peer asking for a malformed key gets a miss, not a dropped
+    connection with a logged traceback (one bad frame, at most one log line)."""
+    from tiered_cache.agent.peers import _connect, _read_chunk, peer_handshake
+    from tiered_cache.ipc import pack
+
+    loop = asyncio.get_running_loop()
+    async with started(tmp_path, SECRET, True, nvme=True) as srv:  # NVMe checks keys
+        key = "ab" * 16
+        await srv.store.put(key, codec.encode(meta(key), payload(1)))
+        assert srv.peer_address is not None
+        sock = await _connect(loop, srv.peer_address)
+        try:
+            await peer_handshake(loop, sock, SECRET.encode())
+            with caplog.at_level(logging.WARNING):
+                await loop.sock_sendall(sock, pack({"op": "fetch", "key": bad, "raw": True}))
+                assert await _read_chunk(loop, sock) is None
+                await loop.sock_sendall(sock, pack({"op": "fetch", "key": key, "raw": True}))
+                got = await _read_chunk(loop, sock)
+        finally:
+            sock.close()
+        assert got is not None and bytes(codec.decode(got, expect_key=key)[1]) == payload(1)
+        assert not [r for r in caplog.records if r.name.startswith("tiered_cache")]

@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 
@@ -84,7 +85,7 @@ class ModelFingerprint:
         return self.digest.hex()
 
 
-def is_valid_key(key: str) -> bool:
+def is_valid_key(key: object) -> TypeGuard[str]:
     return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
 
 

@@ -40,6 +40,7 @@ from tiered_cache.ipc import (
     sock_read_msg,
     sock_recv_exact,
 )
+from tiered_cache.keys import is_valid_key
 from tiered_cache.netaddr import _is_loopback
 
 if TYPE_CHECKING:
@@ -358,7 +359,9 @@ class PeerLink(AgentState):
         if msg.get("op") == "auth" and not authenticated:  # a puller with a secret
             w.write(pack({"ok": False, "error": "this agent has no agent.peer_secret"}))
             return
-        if msg.get("op") == "fetch" and isinstance(key, str):
+        # A malformed key is a miss: the tiers would raise on it, and one bad frame must
+        # cost neither the connection nor a logged traceback.
+        if msg.get("op") == "fetch" and is_valid_key(key):
             for slot in self.store.slots:
                 if slot.name == "s3":
                     continue  # peers read S3 themselves
