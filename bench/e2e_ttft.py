@@ -276,6 +276,9 @@ def measure_lmcache(
 
 
 def main() -> None:
+    # SIGTERM (e.g. from `timeout`) runs the cleanup in `finally` too: without it the
+    # vLLM servers, agents and namespaces this bench started outlive it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one timed run per case")
     ap.add_argument("--json", action="store_true", help="one JSON object as the last line")
