@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 
 from tiered_cache.agent.peers import NONCE_BYTES, SERVER, peer_mac
-from tiered_cache.ipc import pack
+from tiered_cache.ipc import _recv_exact, pack
 
 healed = threading.Event()
 out_lock = threading.Lock()
@@ -30,19 +30,9 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
-def exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        part = s.recv(n - len(buf))
-        if not part:
-            raise EOFError
-        buf += part
-    return buf
-
-
 def frame(s: socket.socket) -> dict[str, Any]:
-    (n,) = struct.unpack("!I", exact(s, 4))
-    msg: dict[str, Any] = msgpack.unpackb(exact(s, n))
+    (n,) = struct.unpack("!I", _recv_exact(s, 4))  # ConnectionLost (an OSError) at EOF
+    msg: dict[str, Any] = msgpack.unpackb(_recv_exact(s, n))
     return msg
 
 

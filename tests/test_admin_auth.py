@@ -34,6 +34,7 @@ from tiered_cache.agent.local import peer_uid
 from tiered_cache.cli import main
 from tiered_cache.client import AgentClient
 from tiered_cache.config import ConfigError, load_config
+from tiered_cache.ipc import _recv_exact, pack
 from tiered_cache.keys import chunk_keys
 
 TOKEN = "0123456789abcdef-admin"
@@ -97,18 +98,7 @@ def test_allowed_uids_are_checked(tmp_path: Path) -> None:
 
 
 def raw_frame(op: str, **kw: Any) -> bytes:
-    body = msgpack.packb({"op": op, **kw}, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        got = s.recv(n - len(buf))
-        if not got:
-            raise EOFError
-        buf += got
-    return buf
+    return pack({"op": op, **kw})
 
 
 def as_uid(uid: int, path: str, frames: list[bytes]) -> list[dict[str, Any]]:
