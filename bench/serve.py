@@ -266,11 +266,14 @@ class Bench:
         elif name == "pd":
             proc, cfg = self.agent("pd")
             store = {"config_file": str(cfg), "embedded": "never", **self.a.connector_extra}
+            # split: a core each (prefill runs at half mono's compute); shared: both
+            # servers on both cores, so an idle decode leaves the prefill two.
+            pc, dc = ("0", "1") if self.a.pd_cores == "split" and both != "0" else (both, both)
             pre = self.server("pd-prefill",
-                              kv_transfer_config("kv_both", store, policy="recompute"), "0")
+                              kv_transfer_config("kv_both", store, policy="recompute"), pc)
             dec = self.server("pd-decode",
                               kv_transfer_config("kv_consumer", store, policy="recompute"),
-                              "1")  # fmt: skip
+                              dc)  # fmt: skip
             port = free_port()
             d = Deployment(name, [pre, dec], f"http://127.0.0.1:{port}", agent_proc=proc)
             d.router = (port, cfg)  # started once the servers are up
@@ -419,6 +422,8 @@ def main() -> None:
                     help="also kill the agent mid-run (default: on, except --quick)")
     ap.add_argument("--connector-extra", type=json.loads, default={},
                     help="JSON merged into our connector's kv_connector_extra_config")
+    ap.add_argument("--pd-cores", choices=("split", "shared"), default="split",
+                    help="P/D: a core per server (split) or both servers on every core")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "serve")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
@@ -506,7 +511,7 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
         "our_dram_bytes": a.dram_mib * 2**20, "our_disk_bytes": a.disk_mib * 2**20,
         "workloads": sizes, "goodput_slo_ms": goodput,
         "arrivals": {"rates": rates} if rates else {"concurrency": a.concurrency},
-        "cpus": os.cpu_count(), "results": {},
+        "cpus": os.cpu_count(), "pd_cores": a.pd_cores, "results": {},
     }  # fmt: skip
     say(f"sizes: {json.dumps(sizes)}")
     bench = Bench(a, work, str(model))
