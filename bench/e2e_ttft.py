@@ -13,6 +13,11 @@ connector is configured). Cases:
 - LMCache MP (L1 hit over shared memory; ``fs`` L2 hit after a server restart; our L2
   adapter hit after a server restart) when lmcache is installed.
 
+At most three vLLM servers run at once (all seven at once left ~1.6 GB of a 24 GiB machine
+free and the run never ended): each starts when its phase comes and stops when its phase
+is done. The agents, Redis and moto live for the whole run, so the chunks the
+prefill stores through node-a stay there for every decode after it.
+
 ``--quick --json`` prints one JSON object as its last line, with ``"ratios"``.
 """
 
@@ -30,7 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,7 @@ from tiered_cache.tools.vllm_launch import (
     kv_transfer_config,
     server_env,
     spawn,
+    start_servers,
     stop_group,
 )
 
@@ -55,6 +61,32 @@ THREADS_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 def say(msg: str) -> None:
     print(f"[e2e_ttft] {msg}", file=sys.stderr, flush=True)
+
+
+_held = 0  # depth of ``uninterrupted()`` blocks
+_sigterm = False  # a SIGTERM came inside one
+
+
+def on_sigterm(*_: object) -> None:
+    global _sigterm
+    if _held:
+        _sigterm = True
+    else:
+        sys.exit(143)
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """SIGTERM waits until the block is done: a server's ``stop()`` forgets its process
+    before it has killed it, so one cut short would leave it to outlive the bench."""
+    global _held
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        if not _held and _sigterm:
+            sys.exit(143)
 
 
 class Agent:
@@ -78,9 +110,10 @@ class Agent:
         if fresh_dram:
             dram = self.cfg.setdefault("dram", {})
             if dram.get("shm_name") and self.proc is None:
-                # A stopped agent leaves its pool for a successor to recover: drop it.
-                Path("/dev/shm", dram["shm_name"]).unlink(missing_ok=True)
-            dram["shm_name"] = f"tcb_{uuid.uuid4().hex[:10]}"
+                # A stopped agent leaves its pool (and its index) for a successor to
+                # recover: drop them.
+                unlink_shm(dram["shm_name"])
+            dram["shm_name"] = our_shm(f"tcb_{uuid.uuid4().hex[:10]}")
         self.path.write_text(yaml.safe_dump(self.cfg))
         self.proc = spawn(
             [*self.prefix, sys.executable, "-m", "tiered_cache.cli", "agent", "-c",
@@ -127,6 +160,40 @@ S3_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
     **THREADS_ENV,
 }
+
+
+_SHM_NAMES: list[str] = []  # unique /dev/shm names this run gave (see ``unlink_shm``)
+
+
+def our_shm(name: str) -> str:
+    """``name``, remembered so that main() removes what was made under it at the end."""
+    _SHM_NAMES.append(name)
+    return name
+
+
+def unlink_shm(name: str) -> None:
+    """Every /dev/shm file made under ``name``: an agent's pool and its ``_ix`` index, an
+    LMCache server's ``lmcache_l1_pool_<name>`` (1 GB, left behind when it is killed)."""
+    for f in Path("/dev/shm").glob(f"*{name}*"):
+        f.unlink(missing_ok=True)
+
+
+# What multiprocessing leaves in /dev/shm when its process is SIGKILLed (vLLM's workers
+# are): shared memory and named semaphores, under random names.
+_MP_SHM = ("psm_*", "sem.mp-*")
+
+
+def mp_shm() -> set[Path]:
+    return {f for pattern in _MP_SHM for f in Path("/dev/shm").glob(pattern)}
+
+
+def mapped_shm() -> set[str]:
+    """The /dev/shm paths some live process maps: another program's, once ours are gone."""
+    out: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            out.update(w for w in maps.read_text().split() if w.startswith("/dev/shm/"))
+    return out
 
 
 def drop_page_cache() -> bool:
@@ -204,9 +271,7 @@ def raw_socket_s(host: str, client_prefix: Sequence[str], nbytes: int, runs: int
         srv.wait(10)
 
 
-def start_lmcache(
-    work: Path, procs: list[subprocess.Popen[bytes]], store: dict[str, Any]
-) -> dict[str, Any] | None:
+def start_lmcache(work: Path, store: dict[str, Any]) -> dict[str, Any] | None:
     """Two ``lmcache server``s (L1 in shared memory): one with LMCache's own ``fs`` L2, one
     with our L2 adapter on node-a's agent. None when lmcache is not installed."""
     try:
@@ -224,7 +289,7 @@ def start_lmcache(
             work / f"lmcache-server-{name}.log",
             l2_adapters=[l2],
             l1_size_gb=1.0,
-            extra_args=["--shm-name", f"tcb_lm_{name}_{uuid.uuid4().hex[:8]}"],
+            extra_args=["--shm-name", our_shm(f"tcb_lm_{name}_{uuid.uuid4().hex[:8]}")],
             env=dict(THREADS_ENV),
         )
     say("starting 2 lmcache servers (fs L2, our L2)")
@@ -246,7 +311,9 @@ def measure_lmcache(
 
     def restarted(server: Any, v: VllmServer) -> Callable[[], None]:
         def go() -> None:
-            server.restart(180)
+            with uninterrupted():
+                server.stop()
+            server.start().wait_ready(180)
             # vLLM re-registers its KV caches on the next heartbeat (1 s here); untimed.
             time.sleep(2.5)
             v.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
@@ -269,16 +336,15 @@ def measure_lmcache(
         cached = cases[name]["cached_tokens"]
         if not all(cached):
             cases[name]["warning"] = f"not every run reported cached tokens: {cached}"
-    fs_vllm.stop()
-    ours_vllm.stop()
-    fs.stop()
-    ours.stop()
+    with uninterrupted():
+        for x in (fs_vllm, ours_vllm, fs, ours):
+            x.stop()
 
 
 def main() -> None:
     # SIGTERM (e.g. from `timeout`) runs the cleanup in `finally` too: without it the
     # vLLM servers, agents and namespaces this bench started outlive it.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, on_sigterm)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one timed run per case")
     ap.add_argument("--json", action="store_true", help="one JSON object as the last line")
@@ -291,10 +357,13 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     servers: list[VllmServer] = []
     agents: list[Agent] = []
-    shm_before = set(Path("/dev/shm").glob("psm_*"))
+    shm_before = mp_shm()
     try:
         res = run(work, runs, procs, servers, agents)
     finally:
+        # A second SIGTERM (or ^C) must not cut the cleanup short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for s in servers:
             s.stop()
         for ag in agents:
@@ -307,11 +376,14 @@ def main() -> None:
             net.close()
         # vLLM workers killed in a group leave their shared-memory segments behind, and
         # stopped agents their DRAM pools (GBs over a few runs, until the next run is
-        # OOM-killed): every process of ours is gone now.
-        for f in set(Path("/dev/shm").glob("psm_*")) - shm_before | set(
-            Path("/dev/shm").glob("tcb_*")
-        ):
-            f.unlink(missing_ok=True)
+        # OOM-killed): every process of ours is gone now. Only our own names: other
+        # benches' and tests' pools may be in /dev/shm too.
+        in_use = mapped_shm()
+        for f in mp_shm() - shm_before:
+            if str(f) not in in_use:
+                f.unlink(missing_ok=True)
+        for name in _SHM_NAMES:
+            unlink_shm(name)
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
     if a.json:
@@ -402,8 +474,11 @@ def run(
             "redis_url": redis_url,
             "chunk_size": 256,
             "dram": {"capacity": "512MiB"},
-            "agent": {"socket": str(work / f"{node}.sock"), "peer_port": free_port(),
-                      "peer_host": "0.0.0.0"},
+            "agent": {
+                "socket": str(work / f"{node}.sock"),
+                "peer_port": free_port(),
+                "peer_host": "0.0.0.0",
+            },
         }
         if nvme:
             c["nvme"] = {
@@ -451,8 +526,24 @@ def run(
             host=net.addr("b") if node_b and net is not None else "127.0.0.1",
             prefix=on_b if node_b else (),
         )
-        servers.append(s)
+        servers.append(s)  # main() stops whatever is still running
         return s
+
+    warm = [int(x) for x in rng.integers(10, 500, 64)]
+
+    def up(*batch: VllmServer) -> None:
+        """Start ``batch`` at once (startups overlap), then an untimed warm-up of each."""
+        t0 = time.monotonic()
+        say(f"starting {', '.join(s.name for s in batch)}")
+        start_servers(batch, 900)
+        say(f"up in {time.monotonic() - t0:.0f}s; warming up")
+        for s in batch:
+            s.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
+
+    def down(*batch: VllmServer) -> None:
+        with uninterrupted():
+            for s in batch:
+                s.stop()
 
     store_a = {"config_file": str(a.path), "embedded": "never", "agent_socket": a.sock}
     b_sock = b.sock
@@ -477,22 +568,10 @@ def run(
             "kv_connector_extra_config": {"shared_storage_path": str(example_dir)},
         },
     )
-    lm = start_lmcache(work, procs, store_a)
-    if lm is not None:
-        lm["fs_vllm"] = srv("lmcache-fs", lm["fs"].kv_transfer_config(heartbeat_interval_s=1))
-        lm["ours_vllm"] = srv(
-            "lmcache-ours", lm["ours"].kv_transfer_config(heartbeat_interval_s=1)
-        )
-    say(f"starting {len(servers)} vLLM servers")
-    t0 = time.monotonic()
-    for s in servers:
-        s.start()
-    for s in servers:
-        s.wait_ready(900)
-    say(f"servers up in {time.monotonic() - t0:.0f}s; warming up")
-    warm = [int(x) for x in rng.integers(10, 500, 64)]
-    for s in servers:
-        s.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
+    # decode-a starts with the first pair and idles until the DRAM hit; it serves the NVMe
+    # cases too, after LMCache, so it stays up until then (beside the two LMCache vLLMs,
+    # then beside decode-b and example: three at a time).
+    up(rec, pre, dec_a)
 
     out: dict[str, Any] = {
         "model": "random Llama: hidden 1024, 12 layers, 16 heads, 4 KV heads, bf16",
@@ -523,15 +602,24 @@ def run(
         "ratio": statistics.median(producer_s) / statistics.median(plain_s),
     }  # fmt: skip
     a.flush()
+    # The prefill's chunks live on in node-a's agent (DRAM, NVMe, S3), not in its vLLM.
+    down(rec, pre)
 
     say("DRAM hit (decode on node-a's agent)")
     cases["dram_hit"] = measure(dec_a, prompt, runs)
 
+    lm = start_lmcache(work, store_a)
     if lm is None:
         for name in ("lmcache_mp_l1_hit", "lmcache_mp_l2_fs_hit", "lmcache_mp_l2_ours_hit"):
             cases[name] = {"skipped": "lmcache is not installed in this environment"}
     else:
-        measure_lmcache(lm, prompt, runs, warm, cases)
+        lm["fs_vllm"] = srv("lmcache-fs", lm["fs"].kv_transfer_config(heartbeat_interval_s=1))
+        lm["ours_vllm"] = srv("lmcache-ours", lm["ours"].kv_transfer_config(heartbeat_interval_s=1))
+        up(lm["fs_vllm"], lm["ours_vllm"])
+        measure_lmcache(lm, prompt, runs, warm, cases)  # stops its servers when done
+
+    # Both before the NVMe cases, while nothing is timed; each stops after its cases.
+    up(dec_b, ex)
 
     def fresh(agent: Agent, server: VllmServer) -> Callable[[], None]:
         def go() -> None:
@@ -554,6 +642,7 @@ def run(
         cases["nvme_hit_cold"]["page_cache"] = "dropped (echo 3 > drop_caches)"
     except PermissionError:
         cases["nvme_hit_cold"] = {"skipped": "cannot drop the page cache here (read-only /proc)"}
+    down(dec_a)
 
     say("peer hit (decode on node-b pulls from node-a over TCP)")
     cases["peer_hit"] = measure(dec_b, prompt, runs, before=fresh(b, dec_b))
@@ -565,8 +654,12 @@ def run(
     peer_bytes = int(b_stats.get("tiered_cache_read_bytes_total{tier=peer}", 0))
     say(f"raw socket reference: {peer_bytes / 2**20:.1f} MiB from node A to node B over TCP")
     raw = raw_socket_s(host, on_b, peer_bytes, max(3, runs))
-    cases["raw_socket"] = {"bytes": peer_bytes, "runs_s": raw, "ttft_s": statistics.median(raw),
-                           "link": "veth between network namespaces" if net else "loopback"}
+    cases["raw_socket"] = {
+        "bytes": peer_bytes,
+        "runs_s": raw,
+        "ttft_s": statistics.median(raw),
+        "link": "veth between network namespaces" if net else "loopback",
+    }
     b.stop()
     a.stop(signal.SIGKILL)  # the peer is gone: only S3 is in common now
     c = Agent("node-c", work, agent_cfg("node-c", nvme=False, s3=True), prefix=on_b)
@@ -577,19 +670,17 @@ def run(
     cases["s3_hit"]["node_c_hits"] = {
         k: v for k, v in c.stats().items() if k.startswith("tiered_cache_hits_total")
     }
+    down(dec_b)
 
     say("ExampleConnector: store, then hits from its files (page cache warm)")
     cases["example_store"] = measure(ex, prompt, 1)
     cases["example_hit"] = measure(ex, prompt, runs)
 
     # The floor: vLLM's own prefix cache, so the KV is already in place and a hit pays one
-    # decode step and the API, nothing else. Started alone, once the others are stopped (a
-    # ninth vLLM process does not fit in memory here).
-    for s in servers:
-        s.stop()
+    # decode step and the API, nothing else. It runs alone, as it always has.
+    down(ex)
     floor = srv("floor", None, extra_args=["--enable-prefix-caching"])
-    floor.start().wait_ready(900)
-    floor.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
+    up(floor)
     say("floor: vLLM's own prefix cache hit (no connector; the KV is already in place)")
     cases["floor_store"] = measure(floor, prompt, 1)
     cases["floor_prefix_cache_hit"] = measure(floor, prompt, runs)
