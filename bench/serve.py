@@ -544,6 +544,10 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
                     res["chat@kill"] = run_load(d, fresh, *levels[0], goodput, tokenizer,
                                                 "chat@kill")
                 elif name in ("ours", "pd"):
+                    # The same deployment on other new conversations of the same shape,
+                    # agent alive: what the kill's cost is measured against.
+                    res["chat@alive"] = run_load(d, fresh_chat(len(fresh), seed=12),
+                                                 *levels[0], goodput, tokenizer, "chat@alive")
                     res["chat@kill"] = kill_run(d, fresh, levels[0], goodput, tokenizer)
             out["results"][name] = res
         finally:
@@ -558,9 +562,9 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
     return out
 
 
-def fresh_chat(n: int) -> list[Request]:
+def fresh_chat(n: int, seed: int = 11) -> list[Request]:
     users = max(12, n // 2)
-    return chat_workload(n, seed=11, users=users, systems=users // 2, system_tokens=1000)
+    return chat_workload(n, seed=seed, users=users, systems=users // 2, system_tokens=1000)
 
 
 def kill_run(d: Deployment, fresh: list[Request], level: tuple[float, int | None],
@@ -684,9 +688,8 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
         if not (isinstance(kill, dict) and kill.get("after_kill")):
             continue
         after = kill["after_kill"]["throughput"]
-        alive = next((lab for lab in labels if lab.startswith("chat@")), "")
         kill_cost[name] = {
-            "vs_agent_alive": ratio(after, metric(name, alive, "request_throughput")),
+            "vs_agent_alive": ratio(after, metric(name, "chat@alive", "request_throughput")),
             "vs_monolithic": ratio(after, metric("mono", "chat@kill", "request_throughput")),
         }
     if kill_cost:
@@ -713,7 +716,8 @@ def plot(out: dict[str, Any], dest: Path) -> None:
         return
     dest.mkdir(parents=True, exist_ok=True)
     res = {k: v for k, v in out["results"].items() if isinstance(v, dict) and "error" not in v}
-    labels = sorted({lab for r in res.values() for lab in r if not lab.endswith("@kill")})
+    skip = ("@kill", "@alive")  # no mono reference for these
+    labels = sorted({lab for r in res.values() for lab in r if not lab.endswith(skip)})
     for label in labels:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, r in res.items():
