@@ -9,7 +9,10 @@ Deployments, one after another on this machine, same model, same CPU (both cores
 - ``pd``: a prefill vLLM (``kv_both``, core 0) and a decode vLLM (``kv_consumer``, core
   1) behind ``tiered-cache router``, handing off through the same tiers;
 - ``lmcache``: one vLLM with ``LMCacheMPConnector`` and an ``lmcache server`` with the
-  same DRAM budget (L1) and its ``fs`` L2 on the same disk budget.
+  same DRAM budget (L1) and its ``fs`` L2 on the same disk budget;
+- ``ideal`` (a reference, not a contender): mono whose own KV space holds every
+  workload's whole working set, so every reusable token is reused in place at no cost:
+  the most any cache tier could give.
 
 vLLM's own KV space is made small (``--num-gpu-blocks-override``) so that each workload's
 unique prefixes are several times what it holds: the tiers matter. Workloads:
@@ -222,12 +225,17 @@ class Bench:
         self.kv_args = ["--enable-prefix-caching", "--block-size", str(BLOCK),
                         "--num-gpu-blocks-override", str(a.kv_blocks)]  # fmt: skip
         self.max_len = max_model_len(a.kv_blocks)
+        self.ideal_blocks = 16 * a.kv_blocks  # set from the loads' sizes
 
     def server(self, name: str, kv: dict[str, Any] | None, cores: str,
-               env: dict[str, str] | None = None) -> VllmServer:  # fmt: skip
+               env: dict[str, str] | None = None, kv_blocks: int | None = None,
+               ) -> VllmServer:  # fmt: skip
+        kv_args = self.kv_args
+        if kv_blocks is not None:
+            kv_args = [*kv_args[:-1], str(kv_blocks)]
         return VllmServer(
             name, self.model, free_port(), self.work / f"{name}.log", kv_config=kv,
-            extra_args=self.kv_args, env={"VLLM_CPU_OMP_THREADS_BIND": cores, **(env or {})},
+            extra_args=kv_args, env={"VLLM_CPU_OMP_THREADS_BIND": cores, **(env or {})},
             dtype=self.a.dtype, max_model_len=self.max_len, served_name=SERVED, max_num_seqs=8,
         )  # fmt: skip
 
@@ -256,6 +264,9 @@ class Bench:
         both = "0-1" if (os.cpu_count() or 1) > 1 else "0"
         if name == "mono":
             s = self.server("mono", None, both)
+            d = Deployment(name, [s], s.url)
+        elif name == "ideal":
+            s = self.server("ideal", None, both, kv_blocks=self.ideal_blocks)
             d = Deployment(name, [s], s.url)
         elif name == "ours":
             proc, cfg = self.agent("ours")
@@ -400,7 +411,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one load level, fewer requests")
     ap.add_argument("--json", action="store_true", help="one JSON object as the last line")
-    ap.add_argument("--deployments", default="mono,ours,pd,lmcache")
+    ap.add_argument("--deployments", default="mono,ours,pd,lmcache,ideal")
     ap.add_argument("--workloads", default=None,
                     help="chat,trace,mixed,jsonl (default: chat,mixed quick; all but jsonl)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -515,6 +526,10 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
     }  # fmt: skip
     say(f"sizes: {json.dumps(sizes)}")
     bench = Bench(a, work, str(model))
+    # Twice every token the loads could keep (all levels run on one server), so nothing
+    # reusable is ever evicted from the ideal deployment's KV space.
+    every = sum(unique_prefix_tokens(r) for v in by_level.values() for r in v)
+    bench.ideal_blocks = a.kv_blocks + 2 * every // BLOCK
     levels: list[tuple[float, int | None]] = (
         [(r, None) for r in rates] if rates else [(float("inf"), a.concurrency)]
     )
@@ -666,6 +681,14 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
         "throughput_ours_vs_monolithic": ratio(
             metric(ours_best, main_label, "request_throughput"),
             metric("mono", main_label, "request_throughput")),
+        # The ceiling: what the ideal cache (all reuse in vLLM's own KV) gives over mono,
+        # and how much of it ours gets.
+        "throughput_ideal_vs_monolithic": ratio(
+            metric("ideal", main_label, "request_throughput"),
+            metric("mono", main_label, "request_throughput")),
+        "throughput_ours_vs_ideal": ratio(
+            metric(ours_best, main_label, "request_throughput"),
+            metric("ideal", main_label, "request_throughput")),
     }  # fmt: skip
     if rated and rated[-1][1] != main_label:
         # Goodput cannot exceed the offered rate: where mono meets the SLOs, no deployment
