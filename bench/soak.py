@@ -1107,7 +1107,7 @@ def phase_fuzz(
     fz = Fuzzer(seed)
     key = key_of("fuzz-probe", seed)
     crashes: list[str] = []
-    totals: dict[str, dict[str, int]] = {}
+    totals: dict[str, dict[str, float]] = {}
     with running(agent):
         c = agent.client()
         c.put_many([item(key)])
@@ -1117,6 +1117,7 @@ def phase_fuzz(
         t0 = time.monotonic()
         for name, frames in (("local", local_frames), ("peer", peer_frames)):
             done = 0
+            lines_before = agent.log_lines()
             while done < frames:
                 step = min(probe_every, frames - done)
                 try:
@@ -1143,6 +1144,10 @@ def phase_fuzz(
                     f"fuzz {name}: {done:,}/{frames:,} frames, agent RSS {agent.rss() / MiB:.0f}"
                     f" MiB, {len(crashes)} crashes"
                 )
+            if frames:  # what this socket's bad frames cost in log lines
+                tot = totals[name]
+                tot["log_lines"] = agent.log_lines() - lines_before
+                tot["log_lines_per_frame"] = round(tot["log_lines"] / tot["frames"], 4)
         elapsed = time.monotonic() - t0
         rss1 = agent.rss()
         lines = agent.log_lines() - lines0

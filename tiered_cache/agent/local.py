@@ -16,14 +16,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from policies import EntryInfo
 from tiered_cache import codec
 from tiered_cache.agent.state import AgentState
 from tiered_cache.directory import ModelRegistration
 from tiered_cache.hierarchy import Hit, PinRefused
-from tiered_cache.ipc import pack, read_msg
+from tiered_cache.ipc import IPCError, pack, read_msg
 from tiered_cache.keys import is_valid_key
+from tiered_cache.logthrottle import LogThrottle
 from tiered_cache.protocol import (
+    REQUESTS,
     Abort,
     Commit,
     Get,
@@ -75,20 +79,35 @@ def _bad_key(op: str, key: Any) -> ProtocolError:
     return ProtocolError(f"{op}: invalid chunk key {key!r} (32 lowercase hex characters)")
 
 
+def _check_keys(op: str, keys: list[str]) -> None:
+    """Every key a chunk key, before the store sees any (its tiers raise on others, and a
+    prefetch would raise once per key in the background)."""
+    for k in keys:
+        if not is_valid_key(k):
+            raise _bad_key(op, k)
+
+
+# What a broken stream raises in ``read_msg``: a frame cut short, not msgpack, not a map.
+_BAD_FRAME = (asyncio.IncompleteReadError, IPCError, ValueError, TypeError, msgpack.UnpackException)
+
+
 Handler = Callable[[_Conn, Any], Awaitable[dict[str, Any]]]
 
 
 class LocalServer(AgentState):
-    async def _serve_local(
-        self, r: asyncio.StreamReader, w: asyncio.StreamWriter
-    ) -> None:
+    # Lines about what clients sent: one per kind a minute (a client repeats at will).
+    _client_log = LogThrottle(log)
+
+    async def _serve_local(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         conn = _Conn()
         try:
             conn.uid = peer_uid(w.get_extra_info("socket"))
             # Unknown only where the platform has no SO_PEERCRED: the socket's 0600 mode
             # is the guard there.
-            conn.trusted = conn.uid is None or conn.uid in (0, os.geteuid()) or (
-                conn.uid in self.cfg.agent.allowed_uids
+            conn.trusted = (
+                conn.uid is None
+                or conn.uid in (0, os.geteuid())
+                or (conn.uid in self.cfg.agent.allowed_uids)
             )
         except OSError:  # could not ask: trust nothing
             conn.trusted = False
@@ -97,7 +116,15 @@ class LocalServer(AgentState):
             self._local_tasks.add(me)
         try:
             while True:
-                msg = await read_msg(r)
+                try:
+                    msg = await read_msg(r)
+                except _BAD_FRAME as e:  # the stream is out of step: drop the connection
+                    self._client_log.log(
+                        "bad_frame", logging.WARNING,
+                        "local socket: closed a connection that sent a malformed frame (%s: %s)",
+                        type(e).__name__, str(e)[:200],
+                    )  # fmt: skip
+                    break
                 if msg is None:
                     break
                 reply = await self._handle(conn, msg)
@@ -138,14 +165,24 @@ class LocalServer(AgentState):
             reply = await self._handlers[type(req)](conn, req)
             reply["ok"] = True
         except ProtocolError as e:
-            log.warning("refused a request: %s", e)
+            op = msg.get("op")
+            self._client_log.log(
+                ("refused", op if isinstance(op, str) and op in REQUESTS else None),
+                logging.WARNING, "refused a request: %s", str(e)[:500],
+            )  # fmt: skip
             reply = {"ok": False, "error": str(e), "kind": "protocol"}
         except PinRefused as e:
             reply = {"ok": False, "error": str(e), "kind": "pin_refused"}
         except PermissionError as e:
             reply = {"ok": False, "error": str(e), "kind": "auth"}
         except Exception as e:
-            log.exception("request %s failed", msg.get("op"))
+            # decode() passed it, so ``op`` is one of ours. The first of each kind a minute
+            # keeps its traceback; a client that repeats the request cannot fill the log.
+            self._client_log.log(
+                ("failed", msg.get("op"), type(e).__name__), logging.ERROR,
+                "request %s failed: %s: %s", msg.get("op"), type(e).__name__, str(e)[:500],
+                exc_info=True,
+            )  # fmt: skip
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return reply
 
@@ -183,27 +220,29 @@ class LocalServer(AgentState):
         }
 
     async def _lookup(self, conn: _Conn, req: Lookup) -> dict[str, Any]:
+        _check_keys("lookup", req.keys)
         if req.priced:  # with each chunk's expected load seconds
             srcs, costs = await self.store.lookup_priced(req.keys, req.nbytes)
             return {"sources": srcs, "costs": costs}
         return {"sources": await self.store.lookup(req.keys)}
 
     async def _present(self, conn: _Conn, req: Present) -> dict[str, Any]:
+        _check_keys("present", req.keys)
         found = await self.store.present(req.keys, req.nbytes)
         return {"found": [None if f is None else list(f) for f in found]}
 
     async def _prefetch(self, conn: _Conn, req: Prefetch) -> dict[str, Any]:
+        _check_keys("prefetch", req.keys)
         return {"started": await self.store.prefetch(req.keys, req.fp)}
 
     async def _locate(self, conn: _Conn, req: Locate) -> dict[str, Any]:
+        _check_keys("locate", req.keys)
         locs = await self.directory.locate(req.keys)
         return {"nodes": [sorted({x.node_id for x in ls if x.tier != "s3"}) for ls in locs]}
 
     async def _get(self, conn: _Conn, req: Get) -> dict[str, Any]:
         store = self.store
-        for k in req.keys:  # before any lease is taken
-            if not is_valid_key(k):
-                raise _bad_key("get", k)
+        _check_keys("get", req.keys)  # before any lease is taken
         out: list[Any] = []
         sem = asyncio.Semaphore(8)  # chunks of one request load in parallel, bounded
 
@@ -326,9 +365,7 @@ class LocalServer(AgentState):
             seen.add(slot)
             run = tier.slot_view(slot)
             if not codec.HEADER_SIZE <= length <= run.nbytes:
-                raise ProtocolError(
-                    f"{where}: length {length} does not fit its {run.nbytes} B run"
-                )
+                raise ProtocolError(f"{where}: length {length} does not fit its {run.nbytes} B run")
             try:
                 meta, plen, _ = codec.parse_header(run[: codec.HEADER_SIZE])
             except codec.ChunkError as e:
@@ -371,9 +408,7 @@ class LocalServer(AgentState):
         await self.store.put(req.key, req.data, wait=req.wait)
         return {}
 
-    async def _register_model(
-        self, conn: _Conn, req: RegisterModel
-    ) -> dict[str, Any]:
+    async def _register_model(self, conn: _Conn, req: RegisterModel) -> dict[str, Any]:
         """A vLLM connector's fingerprint, kept in the directory for `pin add --model`."""
         reg = ModelRegistration.model_validate(req.model)
         h = reg.hex

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
 import os
 import socket
 import time
@@ -41,6 +40,7 @@ from tiered_cache.ipc import (
     sock_recv_exact,
 )
 from tiered_cache.keys import is_valid_key
+from tiered_cache.logthrottle import LogThrottle
 from tiered_cache.netaddr import _is_loopback
 
 if TYPE_CHECKING:
@@ -59,7 +59,6 @@ HANDSHAKE_VERSION = 1
 NONCE_BYTES = 32
 _LABEL = b"tiered-cache peer handshake v1 "
 SERVER, CLIENT = b"server", b"client"
-LOG_EVERY_S = 60.0  # at most one line per refusal reason this often
 
 # Why the server closed a connection (the ``reason`` label of
 # tiered_cache_peer_connections_closed_total), and what its log line says.
@@ -140,7 +139,7 @@ class PeerGate:
         self._metrics = metrics
         self._open: dict[asyncio.Task[Any], str] = {}  # -> peer address; oldest first
         self._pending: set[asyncio.Task[Any]] = set()  # not yet through the handshake
-        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line, held back)
+        self._log = LogThrottle(log)  # one line per refusal reason a minute
 
     def admit(self, task: asyncio.Task[Any], peer: str) -> bool:
         """Whether ``task``'s connection may proceed. At the cap, the oldest connection
@@ -171,14 +170,13 @@ class PeerGate:
         if reason == "idle_timeout":  # pooled connections of quiet peers: routine
             log.debug("peer port: closed %s: %s", peer, _WHY[reason])
             return
-        now = time.monotonic()
-        last, held = self._logged.get(reason, (-math.inf, 0))
-        if now - last < LOG_EVERY_S:
-            self._logged[reason] = (last, held + 1)
-            return
-        self._logged[reason] = (now, 0)
-        more = f" ({held} more since the last such line)" if held else ""
-        log.warning("peer port: closed a connection from %s: %s%s", peer, _WHY[reason], more)
+        self._log.log(
+            reason,
+            logging.WARNING,
+            "peer port: closed a connection from %s: %s",
+            peer,
+            _WHY[reason],
+        )
 
 
 async def _frame(
