@@ -14,12 +14,21 @@ Phases (each also a function that ``tests/faults`` calls with smaller counts):
   what was written (``torn_or_wrong_served``), then DRAM is cleared and every acknowledged
   chunk must come back from NVMe (``lost_acked``).
 - ``redis``: redis-server killed (-9) and restarted under load: client errors by phase.
-- ``s3``: S3 (behind ``tests/fault_proxy.py``) healthy, answering 500, stalling: put
-  latency to DRAM and the agent's RSS under each.
+- ``s3``: S3 (behind ``tests/fault_proxy.py``) healthy; slow (every request delayed and
+  answered, the writer paced at 10 chunks per S3 request: the write-through queue fills
+  and ``agent.max_background_bytes`` bounds memory); stalling; answering 500, each on an
+  agent of its own: put latency into DRAM, S3 requests, peak RSS against the bound.
+- ``disk_full``: NVMe on a 6 MiB tmpfs that a ballast file fills: DRAM serves on, the
+  failed NVMe writes are counted, nothing torn is served, NVMe takes writes once space
+  returns (skipped where a tmpfs cannot be mounted).
+- ``hung_peer``: the directory names ``tests/hung_peer.py`` (half a reply, then nothing)
+  as a chunk's holder: the read fails within ``agent.peer_fetch_timeout_s``, the peer's
+  breaker opens, the agent's own chunks are served.
 - ``fuzz``: malformed frames to the local socket and the peer port (oversized length
   prefixes, truncated frames, non-msgpack, non-maps, unknown ops, wrong types, bad keys,
   random bytes), a well-formed probe after every batch (``fuzz_crashes``: the agent died or
-  did not answer one); then 1,000 idle connections to each and a good client.
+  did not answer one), log lines per bad frame per socket; then 1,000 idle connections
+  to each and a good client.
 - ``auth``: a peer without the cluster secret (``unauthorized_accepted`` counts chunks it
   got); admin writes without the token over the socket and the CLI (counted likewise);
   chunks planted in NVMe and S3 with a wrong checksum, for another key, or re-checksummed
@@ -34,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -720,67 +730,366 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
 
 
-def phase_s3(tmp: Path, moto_url: str, puts: int = 300, stall_s: float = 3.0) -> dict[str, Any]:
+def metric_sum(stats: dict[str, Any], prefix: str) -> float:
+    """The sum of the agent's metric series (``stats`` -> ``metrics``) named ``prefix``."""
+    return float(sum(v for k, v in stats["metrics"].items() if k.startswith(prefix)))
+
+
+def agent_rss(agent: Agent) -> float:
+    return float(agent.rss())
+
+
+def background_bytes(agent: Agent) -> float:
+    """Bytes the agent's queued background copies hold now (its gauge)."""
+    return metric_sum(agent.admin("stats"), "tiered_cache_background_bytes")
+
+
+class Sampler:
+    """Samples ``fn`` every ``every`` seconds in a thread until closed; keeps the peak."""
+
+    def __init__(self, fn: Callable[[], float], every: float = 0.05) -> None:
+        self.fn, self.every = fn, every
+        self.peak = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # the agent may be gone: no sample
+                self.peak = max(self.peak, self.fn())
+                self.samples += 1
+            self._stop.wait(self.every)
+
+    def close(self) -> float:
+        self._stop.set()
+        self._t.join(10)
+        return self.peak
+
+
+def phase_s3(
+    tmp: Path, moto_url: str, puts: int = 300, stall_s: float = 3.0, slowdown: float = 10.0,
+    background_mib: int = 4, slow_s: float = 10.0, slow_delay_s: float = 0.05,
+) -> dict[str, Any]:  # fmt: skip
     """Put latency into DRAM (write-through to S3 in the background) while S3, behind a
-    fault proxy, is healthy, answers 500 to everything, or stalls every request."""
+    fault proxy, is healthy (``puts`` puts); slow for ``slow_s`` seconds (every request
+    delayed ``slow_delay_s``, all answered, and the writer paced at ``slowdown`` chunks per
+    request S3 has taken: the write-through queue fills and ``agent.max_background_bytes``
+    must bound the agent's memory); stalling every request past the read timeout;
+    answering 500 to everything. Each condition on an agent of its own: a breaker opened
+    by one would meet the next."""
     import boto3
 
     if str(ROOT / "tests") not in sys.path:
         sys.path.append(str(ROOT / "tests"))
     from fault_proxy import FaultProxy
 
-    bucket = f"tc-soak-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3", endpoint_url=moto_url, region_name="us-east-1").create_bucket(Bucket=bucket)
-    proxy = FaultProxy(moto_url)
-    agent = Agent(tmp, "s3", {
-        "s3": {"enabled": True, "url": f"s3://{bucket}/soak", "endpoint_url": proxy.url,
-               "region": "us-east-1", "write_mode": "write_through", "read_timeout_s": 1.0,
-               "connect_timeout_s": 1.0, "max_attempts": 2},
-    })  # fmt: skip
+    bound = background_mib * MiB
+    concurrency = 4
     served = Served()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"max_background_bytes": bound, "s3_max_concurrency": concurrency,
+                           "slow_delay_s": slow_delay_s}  # fmt: skip
+    proxy = FaultProxy(moto_url)
     try:
-        with running(agent):
-            c = agent.client()
-            try:
-                # Stalls first: once S3 has failed, the S3 tier's breaker sends nothing
-                # until its back-off ends, so a later fault would meet few requests.
-                faults: dict[str, Callable[[], None]] = {
-                    "healthy": proxy.clear,
-                    "stall": lambda: proxy.stall_next(-1, stall_s),
-                    "error_500": lambda: proxy.fail_next(-1, 500),
-                }
-                for name, arm in faults.items():
-                    arm()
-                    times: list[float] = []
-                    rss0 = agent.rss()
-                    seen0, hit0 = proxy.requests, proxy.faults_injected
-                    for i in range(puts):
+        for name in ("healthy", "slow", "stall", "error_500"):
+            bucket = f"tc-soak-{uuid.uuid4().hex[:8]}"
+            boto3.client("s3", endpoint_url=moto_url, region_name="us-east-1").create_bucket(
+                Bucket=bucket
+            )
+            agent = Agent(tmp, f"s3-{name}", {
+                "s3": {"enabled": True, "url": f"s3://{bucket}/soak", "endpoint_url": proxy.url,
+                       "region": "us-east-1", "write_mode": "write_through",
+                       "read_timeout_s": 1.0, "connect_timeout_s": 1.0, "max_attempts": 2,
+                       "max_concurrency": concurrency},
+                "agent": {"max_background_bytes": bound},
+            })  # fmt: skip
+            with running(agent):
+                rss0 = agent.rss()
+                rss = Sampler(functools.partial(agent_rss, agent))
+                queued = Sampler(functools.partial(background_bytes, agent), every=0.2)
+                if name == "slow":
+                    proxy.delay_next(-1, slow_delay_s)
+                elif name == "stall":
+                    proxy.stall_next(-1, stall_s)
+                elif name == "error_500":
+                    proxy.fail_next(-1, 500)
+                seen0, hit0 = proxy.requests, proxy.faults_injected
+                times: list[float] = []
+                c = agent.client()
+                t0 = time.perf_counter()
+                try:
+                    i = 0
+                    while i < puts if name != "slow" else time.perf_counter() - t0 < slow_s:
+                        # Slow: ``slowdown`` chunks per request S3 has received, so that
+                        # ingest runs that many times faster than S3 whatever its pace.
+                        if name == "slow" and i >= slowdown * (proxy.requests - seen0 + 1):
+                            time.sleep(0.001)
+                            continue
                         key = key_of(f"s3-{name}", i)
+                        i += 1
                         t = time.perf_counter()
                         c.put_many([item(key)])
                         times.append(time.perf_counter() - t)
                         got = c.get_many([key], FP.digest)[0]  # from DRAM
                         if got is not None:
                             served.check(key, got[1])
-                    out[name] = {
-                        "put_p50_ms": round(_pct(times, 0.5) * 1e3, 2),
-                        "put_p99_ms": round(_pct(times, 0.99) * 1e3, 2),
-                        "put_max_ms": round(max(times) * 1e3, 2),
-                        "rss_growth_mib": round((agent.rss() - rss0) / MiB, 1),
-                        "s3_requests": proxy.requests - seen0,
-                        "faults_injected": proxy.faults_injected - hit0,
-                    }
-                    say(f"s3 {name}: put p99 {out[name]['put_p99_ms']} ms")
+                    elapsed = time.perf_counter() - t0
+                    stats = agent.admin("stats")
+                finally:
+                    c.close()
+                    peak_rss, peak_queued = rss.close(), queued.close()
+                s3_requests = proxy.requests - seen0
+                out[name] = {
+                    "puts": i,
+                    "seconds": round(elapsed, 1),
+                    "puts_per_s": round(i / elapsed, 1),
+                    "put_p50_ms": round(_pct(times, 0.5) * 1e3, 2),
+                    "put_p99_ms": round(_pct(times, 0.99) * 1e3, 2),
+                    "put_max_ms": round(max(times) * 1e3, 2),
+                    "s3_requests": s3_requests,
+                    "s3_requests_per_s": round(s3_requests / elapsed, 1),
+                    "faults_injected": proxy.faults_injected - hit0,
+                    "rss_before_mib": round(rss0 / MiB, 1),
+                    "rss_peak_mib": round(peak_rss / MiB, 1),
+                    "rss_peak_growth_mib": round((peak_rss - rss0) / MiB, 1),
+                    "background_bytes_peak_mib": round(peak_queued / MiB, 2),
+                    "background_dropped": metric_sum(stats, "tiered_cache_background_dropped"),
+                    "s3_write_errors": metric_sum(
+                        stats, "tiered_cache_write_errors_total{reason=io,tier=s3"
+                    )
+                    + metric_sum(stats, "tiered_cache_write_errors_total{reason=full,tier=s3"),
+                    "agent_alive": agent.alive,
+                }
+                say(
+                    f"s3 {name}: {out[name]['puts_per_s']} puts/s, put p99"
+                    f" {out[name]['put_p99_ms']} ms, {s3_requests} S3 requests, RSS peak"
+                    f" +{out[name]['rss_peak_growth_mib']} MiB (bound {background_mib} MiB)"
+                )
                 proxy.clear()
+                agent.kill()  # its queued S3 writes would wait out the faults
+    finally:
+        proxy.close()
+    slow = out["slow"]
+    # How much slower than the writers S3 was: chunks written per second over chunks
+    # S3 took per second (each chunk is one PUT).
+    out["slow_factor"] = (
+        round(slow["puts_per_s"] / slow["s3_requests_per_s"], 1)
+        if slow["s3_requests_per_s"]
+        else None
+    )
+    # Beyond what the same writes cost with a healthy S3 (the pool's pages, allocator
+    # arenas, S3 connections), the slow condition may hold at most the queue's bound.
+    excess = slow["rss_peak_growth_mib"] - out["healthy"]["rss_peak_growth_mib"]
+    out["slow_rss_excess_over_healthy_mib"] = round(excess, 1)
+    out["slow_rss_within_bound"] = excess * MiB <= bound
+    out["faults_injected"] = proxy.faults_injected
+    out["torn_or_wrong_served"] = served.wrong
+    out["agent_alive"] = all(
+        out[n]["agent_alive"] for n in ("healthy", "slow", "stall", "error_500")
+    )
+    return out
+
+
+# ---------------------------------------------------------------- disk full
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: int) -> Iterator[str | None]:
+    """A tmpfs of ``size`` bytes mounted at ``path`` (root only); yields None when
+    mounted, else why it could not be (the phase is then skipped, not faked)."""
+    path.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                        str(path)], capture_output=True, text=True)  # fmt: skip
+    if p.returncode != 0:
+        yield f"cannot mount a tmpfs here: {(p.stderr or p.stdout).strip()}"
+        return
+    try:
+        yield None
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(path: Path) -> int:
+    """Write a ballast file until the filesystem refuses (ENOSPC): bytes written."""
+    n = 0
+    block = b"\0" * (64 * 1024)
+    with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:  # unbuffered: nothing left to flush (and fail) at close
+            n += f.write(block) or 0
+    return n
+
+
+def phase_disk_full(tmp: Path, chunks: int = 200) -> dict[str, Any]:
+    """NVMe (write-through below DRAM) on a 6 MiB filesystem that a ballast file fills:
+    writes go on into DRAM, the failed NVMe writes are counted, nothing torn is served
+    (from DRAM, or from NVMe after DRAM is cleared), and once the ballast is gone NVMe
+    takes writes again."""
+    mnt = tmp / "diskfull-mnt"
+    with small_filesystem(mnt, 6 * MiB) as why:
+        if why is not None:
+            return {"skipped": why}
+        nvme = mnt / "nvme"
+        agent = Agent(tmp, "diskfull", {
+            # Capacity beyond the filesystem: the disk, not the tier's budget, says no.
+            "dram": {"capacity": 16 * MiB},
+            "nvme": {"enabled": True, "path": str(nvme), "capacity": 64 * MiB,
+                     "write_mode": "write_through"},
+        })  # fmt: skip
+        served = Served()
+        out: dict[str, Any] = {}
+
+        def errors(c: AgentClient) -> float:
+            return metric_sum(c.admin("stats"), "tiered_cache_write_errors_total{reason=full")
+
+        def stage(c: AgentClient, name: str, n: int) -> dict[str, Any]:
+            keys = [key_of(f"diskfull-{name}", i) for i in range(n)]
+            failed0 = errors(c)
+            put_err = 0
+            for k in keys:
+                try:
+                    c.put_many([item(k)], wait=True)  # returns once NVMe took it or failed
+                except Exception:
+                    put_err += 1
+            dram = sum(
+                g is not None and served.check(k, g[1])
+                for k, g in zip(keys, c.get_many(keys, FP.digest), strict=True)
+            )
+            # tiered_cache_write_errors_total{tier=nvme,reason=full}: the tier and the
+            # store each count a failed write (2 per write at this commit).
+            return {"puts": n, "put_errors": put_err, "served_from_dram": dram,
+                    "nvme_write_errors_counted": errors(c) - failed0, "keys": keys}  # fmt: skip
+
+        with running(agent):
+            c = agent.client()
+            try:
+                before = stage(c, "before", 20)
+                ballast = fill(mnt / "ballast")
+                full = stage(c, "full", chunks)
+                Path(mnt / "ballast").unlink()
+                after = stage(c, "after", 20)
+                # DRAM cleared: every chunk now comes from NVMe or not at all, and what
+                # comes must be whole (no torn file left by a failed write).
+                agent.admin("clear", tier="dram")
+                from_nvme: dict[str, int] = {}
+                for name, st in (("before", before), ("full", full), ("after", after)):
+                    keys = st.pop("keys")
+                    got = c.get_many(keys, FP.digest)
+                    from_nvme[name] = sum(
+                        g is not None and served.check(k, g[1])
+                        for k, g in zip(keys, got, strict=True)
+                    )
+                    st["nvme_writes_failed"] = len(keys) - from_nvme[name]
+                leftovers = len(list((nvme / ".tmp").iterdir())) if (nvme / ".tmp").exists() else 0
+                out = {
+                    "filesystem_mib": 6, "ballast_mib": round(ballast / MiB, 1),
+                    "before": before, "full": full, "after": after,
+                    "served_from_nvme_after_clear": from_nvme,
+                    "tmp_leftovers": leftovers, "agent_alive": agent.alive,
+                }  # fmt: skip
+            finally:
+                c.close()
+        out["torn_or_wrong_served"] = served.wrong
+        out["served"] = served.served
+        say(
+            f"disk full: {full['nvme_writes_failed']} NVMe writes failed of {chunks} (counted"
+            f" {full['nvme_write_errors_counted']:.0f}), "
+            f"{full['served_from_dram']} served from DRAM, {served.wrong} wrong; after: "
+            f"{from_nvme['after']}/20 from NVMe"
+        )
+        return out
+
+
+# ---------------------------------------------------------------- hung peer
+
+
+def phase_hung_peer(tmp: Path, reads: int = 20, timeout_s: float = 2.0) -> dict[str, Any]:
+    """A peer (``tests/hung_peer.py``) that passes the handshake, then answers each fetch
+    with half a chunk and stalls; the directory names it as the holder of ``reads``
+    chunks. The first read must fail within ``agent.peer_fetch_timeout_s``, the peer's
+    breaker open (later reads skip it at once) while the agent's own chunks are served."""
+    import asyncio
+
+    from tiered_cache.directory import RedisDirectory
+
+    secret = f"soak-hung-secret-{uuid.uuid4().hex}"
+    redis = Redis()
+    chunks = tmp / "hung-chunks"
+    chunks.mkdir()
+    keys = [key_of("hung", i) for i in range(reads)]
+    mac = codec.chunk_mac_key(secret.encode())
+    for k in keys:
+        (chunks / k).write_bytes(codec.encode(chunk_meta(k, PAYLOAD), payload_of(k), mac_key=mac))
+    port = free_port()
+    peer = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "hung_peer.py"), str(port), secret, str(chunks)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    node = f"hung-{uuid.uuid4().hex[:6]}"
+    agent = Agent(tmp, "hung", {
+        "redis_url": redis.url,
+        "agent": {"peer_secret": secret, "peer_fetch_timeout_s": timeout_s},
+    })  # fmt: skip
+    served = Served()
+    out: dict[str, Any] = {"peer_fetch_timeout_s": timeout_s}
+    try:
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "listening"
+
+        async def publish() -> None:
+            d = RedisDirectory.from_url(redis.url)
+            try:
+                await d.heartbeat(node, {"peer": ["127.0.0.1", port]}, 600)
+                await d.publish(node, "dram", keys, 600)
+                await d.flush()
+            finally:
+                await d.close()
+
+        asyncio.run(publish())
+        with running(agent):
+            c = agent.client(timeout=60)
+            try:
+                mine = [key_of("hung-own", i) for i in range(reads)]
+                c.put_many([item(k) for k in mine])
+                out["lookup_before"] = c.lookup(keys[:1])
+                t = time.monotonic()
+                first = c.get_many(keys[:1], FP.digest)[0]
+                out["first_read_s"] = round(time.monotonic() - t, 3)
+                out["first_read_served"] = first is not None
+                out["lookup_after"] = c.lookup(keys)  # the breaker open: the peer not offered
+                times = []
+                for k in keys[1:]:
+                    t = time.monotonic()
+                    if c.get_many([k], FP.digest)[0] is not None:
+                        out["served_from_hung_peer"] = out.get("served_from_hung_peer", 0) + 1
+                    times.append(time.monotonic() - t)
+                out["later_read_max_ms"] = round(max(times) * 1e3, 1)
+                own = c.get_many(mine, FP.digest)  # service goes on
+                out["own_served"] = sum(
+                    g is not None and served.check(k, g[1]) for k, g in zip(mine, own, strict=True)
+                )
+                m = c.admin("stats")
+                out["peer_read_errors"] = metric_sum(m, "tiered_cache_read_errors_total{tier=peer")
+                out["peer_fetches_skipped"] = metric_sum(m, "tiered_cache_peer_fetches_skipped")
             finally:
                 c.close()
             out["agent_alive"] = agent.alive
-            agent.kill()  # its queued S3 writes would wait out the stalls
     finally:
-        proxy.close()
-    out["faults_injected"] = proxy.faults_injected
+        peer.kill()
+        peer.wait(10)
+        redis.close()
+    out["failed_within_timeout"] = (
+        not out.get("first_read_served") and out.get("first_read_s", 1e9) < timeout_s * 1.5
+    )
+    out["breaker_opened"] = (
+        out.get("lookup_after") == [] and out.get("later_read_max_ms", 1e9) < 300
+    )
     out["torn_or_wrong_served"] = served.wrong
+    say(
+        f"hung peer: first read failed in {out.get('first_read_s')} s (timeout {timeout_s} s),"
+        f" later reads at most {out.get('later_read_max_ms')} ms, own chunks"
+        f" {out.get('own_served')}/{reads}"
+    )
     return out
 
 
@@ -1368,7 +1677,9 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, help="load phase length (default 10; 1.5 quick)")
     ap.add_argument("--threads", type=int, default=4, help="client threads in the load phase")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--phases", default="load,kill9,redis,s3,fuzz,auth,auth_no_secret")
+    ap.add_argument(
+        "--phases", default="load,kill9,redis,s3,disk_full,hung_peer,fuzz,auth,auth_no_secret"
+    )
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = ap.parse_args()
     q = args.quick
@@ -1390,7 +1701,9 @@ def main() -> None:
             "load": lambda: phase_load(tmp, minutes * 60, args.threads, seed=args.seed),
             "kill9": lambda: phase_kill9(tmp, 10 if q else 50, args.seed),
             "redis": lambda: phase_redis(tmp, 800 if q else 3000),
-            "s3": lambda: phase_s3(tmp, moto, 150 if q else 500),
+            "s3": lambda: phase_s3(tmp, moto, 400 if q else 1500, slow_s=10 if q else 60),
+            "disk_full": lambda: phase_disk_full(tmp, 150 if q else 500),
+            "hung_peer": lambda: phase_hung_peer(tmp, 20 if q else 100),
             "fuzz": lambda: phase_fuzz(tmp, 12000 if q else 70000, 8000 if q else 40000,
                                        args.seed),
             "auth": lambda: phase_auth(tmp, moto),
@@ -1413,15 +1726,36 @@ def main() -> None:
         "chunk_ops": (g("load") or {}).get("ops"),
         "torn_or_wrong_served": sum(
             int((g(p) or {}).get("torn_or_wrong_served") or 0)
-            for p in ("load", "kill9", "redis", "s3")
+            for p in ("load", "kill9", "redis", "s3", "disk_full", "hung_peer")
         ),
         "lost_acked": (g("kill9") or {}).get("lost_acked"),
         "kill9_trials": (g("kill9") or {}).get("trials"),
         "redis_outage_errors": ((g("redis") or {}).get("errors") or {}).get("down"),
-        "s3_stall_put_p99_ms": ((g("s3") or {}).get("stall") or {}).get("put_p99_ms"),
         "s3_healthy_put_p99_ms": ((g("s3") or {}).get("healthy") or {}).get("put_p99_ms"),
+        "s3_slow_factor": (g("s3") or {}).get("slow_factor"),
+        "s3_slow_rss_peak_growth_mib": ((g("s3") or {}).get("slow") or {}).get(
+            "rss_peak_growth_mib"
+        ),
+        "s3_slow_rss_within_bound": (g("s3") or {}).get("slow_rss_within_bound"),
+        "s3_stall_put_p99_ms": ((g("s3") or {}).get("stall") or {}).get("put_p99_ms"),
+        "s3_500_put_p99_ms": ((g("s3") or {}).get("error_500") or {}).get("put_p99_ms"),
+        "disk_full_nvme_writes_failed": ((g("disk_full") or {}).get("full") or {}).get(
+            "nvme_writes_failed"
+        ),
+        "disk_full_nvme_after_space_returned": (
+            (g("disk_full") or {}).get("served_from_nvme_after_clear") or {}
+        ).get("after"),
+        "disk_full_served_from_dram": ((g("disk_full") or {}).get("full") or {}).get(
+            "served_from_dram"
+        ),
+        "hung_peer_first_read_s": (g("hung_peer") or {}).get("first_read_s"),
+        "hung_peer_breaker_opened": (g("hung_peer") or {}).get("breaker_opened"),
         "fuzz_frames": (g("fuzz") or {}).get("fuzz_frames"),
         "fuzz_crashes": (g("fuzz") or {}).get("fuzz_crashes"),
+        "log_lines_per_bad_frame": {
+            port: t.get("log_lines_per_frame")
+            for port, t in ((g("fuzz") or {}).get("by_port") or {}).items()
+        },
         "idle_1000_service_ok": (((g("fuzz") or {}).get("idle")) or {}).get("service_ok"),
         "forged_accepted": (g("auth") or {}).get("forged_accepted"),
         "unauthorized_accepted": (g("auth") or {}).get("unauthorized_accepted"),

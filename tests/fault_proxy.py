@@ -3,7 +3,7 @@
 Sits on a free loopback port in front of the moto server and forwards every request
 unchanged (method, path, headers including Host, body), buffering bodies in memory. It can
 be told to fail the next N requests with an HTTP error (500 InternalError, 503 SlowDown),
-to stall before answering (longer than the client's read timeout), to stall half way
+to delay them and then answer (a slow but working S3), to stall before answering (longer than the client's read timeout), to stall half way
 through a response body, or to hold requests until the test releases them (a tier as slow
 as the test needs, with no timing involved). Faults can be limited to some HTTP methods.
 
@@ -41,7 +41,7 @@ ResponseHook = Callable[[str, Message, int, Headers, bytes], tuple[int, Headers,
 
 @dataclass
 class _Fault:
-    kind: str  # "error", "stall", "stall_body" or "hold"
+    kind: str  # "error", "delay", "stall", "stall_body" or "hold"
     remaining: int  # requests left to fault; -1: until cleared
     status: int = 500
     code: str = "InternalError"
@@ -113,6 +113,10 @@ class FaultProxy:
     def slow_down_next(self, n: int, methods: Iterable[str] | None = None) -> None:
         """S3 throttling: 503 SlowDown for the next ``n`` matching requests."""
         self.fail_next(n, 503, "SlowDown", methods)
+
+    def delay_next(self, n: int, seconds: float, methods: Iterable[str] | None = None) -> None:
+        """Wait ``seconds``, then forward and answer as usual: slow, not failing."""
+        self._set(_Fault("delay", n, seconds=seconds, methods=_methods(methods)))
 
     def stall_next(self, n: int, seconds: float, methods: Iterable[str] | None = None) -> None:
         """Sleep ``seconds`` before answering (then drop the connection)."""
@@ -220,6 +224,8 @@ class FaultProxy:
                     proxy._stop.wait(fault.seconds)
                     self.close_connection = True
                     return
+                if fault is not None and fault.kind == "delay":
+                    proxy._stop.wait(fault.seconds)
                 if fault is not None and fault.kind == "hold":
                     with proxy._held_cv:
                         proxy.held += 1
