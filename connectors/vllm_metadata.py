@@ -25,6 +25,7 @@ class SaveChunk:
     # A block-aligned copy of the prompt's partial tail chunk: what a longer prompt that
     # extends this one (the next turn of a conversation) can find and load.
     aligned: bool = False
+    tenant: str = ""  # the request's tenant (its cache_salt's: ``tiered_cache.tenancy``)
 
 
 @dataclass

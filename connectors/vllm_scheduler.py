@@ -28,6 +28,7 @@ from connectors.vllm_metadata import (
 from connectors.vllm_plan import RecomputeRate, choose_prefix, wait_budget_s
 from tiered_cache import keys as tc_keys
 from tiered_cache.api import NODE_TIERS, SlotStore
+from tiered_cache.tenancy import tenant_of_salt
 
 try:  # 0.32+: per-tier hit accounting
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -500,6 +501,7 @@ class SchedulerSide(ConnectorBase):
             if s.num_tokens < self._chunk_size and not self._save_unfull:
                 break  # the partial tail chunk stays out of the cache
             parent = st.keys[s.index - 1] if s.index else None
+            tenant = tenant_of_salt(st.salt)  # the chunks carry it: the agent's accounts
             meta.saves.append(
                 SaveChunk(
                     st.req_id,
@@ -508,6 +510,7 @@ class SchedulerSide(ConnectorBase):
                     s.num_tokens,
                     st.block_ids[s.first_block : s.end_block],
                     parent,
+                    tenant=tenant,
                 )
             )
             if st.tail_key is not None and s.index == len(st.spans) - 1:
@@ -515,7 +518,7 @@ class SchedulerSide(ConnectorBase):
                 meta.saves.append(SaveChunk(
                     st.req_id, s.index, st.tail_key, n_al,
                     st.block_ids[s.first_block : s.first_block + n_al // self._block_size],
-                    parent, aligned=True,
+                    parent, aligned=True, tenant=tenant,
                 ))  # fmt: skip
             st.next_save += 1
             added = True

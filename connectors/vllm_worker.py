@@ -528,6 +528,7 @@ class WorkerSide(ConnectorBase):
             block_size=self._block_size,
             parent=parent or "",
             position=s.index,
+            tenant=s.tenant,
         )
 
     def _saved(self, n: int, nbytes: int, dt: float) -> None:

@@ -24,6 +24,11 @@ SHA extensions: bench/mac_cost.py). Checksums catch damage; only the MAC stops a
 key (a peer, the bucket, a shared disk) from planting KV that passes every check. A
 reader given a key refuses a version 1 chunk (no MAC) and a wrong MAC (``ChunkForged``);
 a reader without one checks none. Chunks written without a key stay version 1.
+
+``tenant`` (32s, right after the MAC's place, in either version) names the tenant whose
+request wrote the chunk (``tenancy``: the agent accounts bytes per tenant per tier by it).
+It was zero padding before, so older chunks read as no tenant and older readers ignore it.
+It is outside the MAC: a wrong tag misplaces bytes in the accounts, never KV in a reply.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ _FIXED = struct.Struct("<4sHHI16s16sII16s8sB7x8QQQ")
 _PREFIX = struct.Struct("<16sI")  # parent key, position
 _NO_PARENT = b"\0" * 16
 _MAC_AT = _FIXED.size + _PREFIX.size
-assert _MAC_AT + MAC_SIZE + 4 <= HEADER_SIZE
+TENANT_SIZE = 32
+_TENANT_AT = _MAC_AT + MAC_SIZE
+assert _TENANT_AT + TENANT_SIZE + 4 <= HEADER_SIZE
 _HCRC = struct.Struct("<I")
 
 
@@ -84,6 +91,7 @@ class ChunkMeta:
     block_size: int = 0
     parent: str = ""  # previous chunk's key in the prompt ("" for the first chunk)
     position: int = 0  # chunk index in the prompt
+    tenant: str = ""  # the writer's tenant (``tenancy``), "" for none
 
 
 def _fit(s: str, n: int, what: str) -> bytes:
@@ -148,6 +156,9 @@ def pack_header(
     ) + _PREFIX.pack(bytes.fromhex(meta.parent) if meta.parent else _NO_PARENT, meta.position)
     if mac_key is not None:
         fixed += _mac(mac_key, fixed, memoryview(payload).cast("B"))
+    if meta.tenant:
+        tenant = _fit(meta.tenant, TENANT_SIZE, "tenant")
+        fixed = fixed.ljust(_TENANT_AT, b"\0") + tenant.ljust(TENANT_SIZE, b"\0")
     body = fixed + b"\0" * (HEADER_SIZE - 4 - len(fixed))
     return body + _HCRC.pack(xxhash.xxh32_intdigest(body))
 
@@ -183,6 +194,10 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, int, i
         raise ChunkCorrupt(f"unsupported chunk version {version} (header {hlen})")
     if ndim > MAX_DIMS:
         raise ChunkCorrupt(f"bad ndim {ndim}")
+    try:
+        tenant = bytes(body[_TENANT_AT : _TENANT_AT + TENANT_SIZE]).rstrip(b"\0").decode()
+    except UnicodeDecodeError:
+        raise ChunkCorrupt("tenant is not UTF-8") from None
     meta = ChunkMeta(
         key=key.hex(),
         fingerprint=fp,
@@ -193,6 +208,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, int, i
         block_size=bsz,
         parent="" if parent == _NO_PARENT else parent.hex(),
         position=position,
+        tenant=tenant,
     )
     return meta, payload_len, checksum
 

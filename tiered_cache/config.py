@@ -28,58 +28,11 @@ from pydantic import (
     model_validator,
 )
 
+from tiered_cache.config_values import Size, check_secret, parse_duration, parse_size
 from tiered_cache.private_dir import default_runtime_dir
+from tiered_cache.tenancy import RouterConfig, TenantName, TenantQuota
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(v: Any) -> int:
-    """``4GiB`` -> 4294967296. Raises ValueError with the offending text."""
-    if isinstance(v, bool):
-        raise ValueError(f"not a size: {v!r}")
-    if isinstance(v, int):
-        if v < 0:
-            raise ValueError(f"size must be >= 0, got {v}")
-        return v
-    if isinstance(v, float):
-        return parse_size(str(v))
-    m = _SIZE_RE.match(str(v))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {v!r} (use bytes or units like 512MiB, 4GiB, 1GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_duration(v: Any) -> float | None:
-    """``90s``, ``15m``, ``24h``, ``7d``, a number of seconds, or none/null -> None."""
-    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none", "null", "0")):
-        return None
-    if isinstance(v, int | float) and not isinstance(v, bool):
-        if v <= 0:
-            raise ValueError(f"duration must be > 0, got {v}")
-        return float(v)
-    m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*(s|m|h|d)?\s*$", str(v))
-    if not m:
-        raise ValueError(f"not a duration: {v!r} (use e.g. 90s, 15m, 24h, 7d, or none)")
-    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2) or "s"]
-
-
-Size = Annotated[int, BeforeValidator(parse_size)]
+__all__ = ["Size", "parse_duration", "parse_size"]  # re-exported: their old home
 
 
 def _slot_size(v: Any) -> int:
@@ -167,14 +120,6 @@ class S3Config(TierPolicy):
         return self
 
 
-# Tokens that example configs and tutorials ship (compared lower-case, letters and digits
-# only): an agent guarded by one of them is not guarded.
-_PLACEHOLDER_TOKENS = frozenset(
-    {"", "changeme", "changemeplease", "secret", "password", "token", "admin", "admintoken",
-     "authtoken", "yourtoken", "yourtokenhere", "example", "test", "none", "null"}
-)  # fmt: skip
-
-
 class AgentConfig(_Strict):
     socket: str | None = None  # default: <runtime dir>/<node_id>.sock (private_dir.py)
     peer_host: str = "127.0.0.1"  # the address the peer port binds
@@ -232,26 +177,7 @@ class AgentConfig(_Strict):
     @field_validator("auth_token")
     @classmethod
     def _auth_token(cls, v: str | None) -> str | None:
-        # The value is never quoted: it may be the real token, one typo away.
-        if v is None:
-            return None
-        unset = re.fullmatch(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", v.strip())
-        if unset:  # a loader that leaves an unset variable as written (LMCache's)
-            raise ValueError(
-                f"environment variable {unset.group(1)} is not set (export the admin token,"
-                " or remove auth_token)"
-            )
-        if not v.strip():
-            raise ValueError("is empty: set a token (or remove auth_token)")
-        if re.sub(r"[^a-z0-9]", "", v.lower()) in _PLACEHOLDER_TOKENS:
-            raise ValueError(
-                "a placeholder value (change-me, secret, ...) guards nothing: set a real"
-                " token (`openssl rand -hex 32`, exported as TC_ADMIN_TOKEN and read as"
-                " ${TC_ADMIN_TOKEN}) or remove auth_token"
-            )
-        if len(v) < 16:
-            raise ValueError("must be at least 16 characters (e.g. `openssl rand -hex 32`)")
-        return v
+        return None if v is None else check_secret(v, "admin token", "TC_ADMIN_TOKEN")
 
     @field_validator("pin_file")
     @classmethod
@@ -282,6 +208,9 @@ class CacheConfig(_Strict):
     nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
     s3: S3Config = Field(default_factory=lambda: S3Config())
     agent: AgentConfig = Field(default_factory=lambda: AgentConfig())
+    router: RouterConfig = Field(default_factory=lambda: RouterConfig())
+    # Per-tenant byte quotas per tier (docs/operations.md, "Tenancy"), by tenant name.
+    tenants: dict[TenantName, TenantQuota] = Field(default_factory=dict)
 
     @field_validator("cache_epoch", mode="before")
     @classmethod

@@ -60,6 +60,9 @@ class StoreEvents:
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int | None) -> None:
         """``tier``'s occupancy, as last measured."""
 
+    def tenant_usage(self, tier: str, tenant: str, used_bytes: int, quota: int | None) -> None:
+        """Bytes of ``tenant``'s chunks in ``tier`` (``tenancy``), and its quota there."""
+
     def pinned(self, tier: str, nbytes: int) -> None:
         """Bytes pinned in ``tier``."""
 
@@ -131,6 +134,11 @@ class MetricsEvents(StoreEvents):
         self.m.used_bytes.labels(tier).set(used_bytes)
         if capacity_bytes is not None:
             self.m.capacity_bytes.labels(tier).set(capacity_bytes)
+
+    def tenant_usage(self, tier: str, tenant: str, used_bytes: int, quota: int | None) -> None:
+        self.m.tenant_used_bytes.labels(tier, tenant).set(used_bytes)
+        if quota is not None:
+            self.m.tenant_quota_bytes.labels(tier, tenant).set(quota)
 
     def pinned(self, tier: str, nbytes: int) -> None:
         self.m.pinned_bytes.labels(tier).set(nbytes)

@@ -115,6 +115,12 @@ class Metrics:
         self.pinned_bytes = Gauge(p + "pinned_bytes", "Pinned bytes", ["tier"], registry=r)
         self.used_bytes = Gauge(p + "used_bytes", "Bytes used", ["tier"], registry=r)
         self.capacity_bytes = Gauge(p + "capacity_bytes", "Capacity", ["tier"], registry=r)
+        self.tenant_used_bytes = Gauge(
+            p + "tenant_used_bytes", "Bytes of a tenant's chunks", ["tier", "tenant"], registry=r
+        )
+        self.tenant_quota_bytes = Gauge(
+            p + "tenant_quota_bytes", "A tenant's quota", ["tier", "tenant"], registry=r
+        )
         self.directory_errors = Counter(
             p + "directory_errors", "Directory operations that failed", ["op"], registry=r
         )

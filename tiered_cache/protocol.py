@@ -163,6 +163,7 @@ class RegisterModel(Request):
 @dataclass(frozen=True)
 class Stats(Request):
     op = "stats"
+    tenant: str = ""  # only this tenant's figures (``tenancy``); older clients send none
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,7 @@ class Ls(Request):
     op = "ls"
     prefix: str = ""
     limit: int = 1000
+    tenant: str = ""  # only this tenant's chunks
 
 
 @dataclass(frozen=True)

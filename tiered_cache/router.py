@@ -15,6 +15,10 @@ When a prefill server's connector reports its cache unavailable, a handoff would
 the decode recompute the prompt: the router stops splitting requests (each goes whole to
 the least-loaded live server of either pool) until a later prefill, sent on a backoff
 schedule, saves its chunks again.
+
+Tenants (``router.tenants`` in the config, ``tiered_cache.tenancy``): each request must
+carry one's API key (``Authorization: Bearer``), and goes on with that tenant's salt as
+its ``cache_salt``, whatever the client sent, so its chunk keys are its tenant's alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ from aiohttp import web
 
 from tiered_cache.breaker import Breaker
 from tiered_cache.keys import IDENTITY_FIELDS, ModelFingerprint, chunk_keys
+from tiered_cache.router_replies import (
+    RETRY_STATUS,
+    Retry,
+    error_reply,
+    passthrough_error,
+    unauthorized,
+)
+from tiered_cache.tenancy import TenantAuth, TenantSpec, tenant_salt
 
 log = logging.getLogger("tiered_cache.router")
 
@@ -67,6 +79,7 @@ class RouterStats:
     requests: int = 0
     prefill_skipped: int = 0
     errors: int = 0
+    unauthorized: int = 0  # requests refused for a missing or unknown API key
     retries: int = 0  # requests moved to another backend after one failed
     per_backend: dict[str, int] = field(default_factory=dict)
     # Requests served by the pool that was left (each server is a whole vLLM):
@@ -90,6 +103,7 @@ class Router:
         health_interval_s: float = 2.0,
         handoff_retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        tenants: Sequence[TenantSpec] = (),
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode server")
@@ -101,6 +115,7 @@ class Router:
         self.health_interval_s = health_interval_s
         self.fingerprints: dict[str, dict[str, Any]] = {}  # model -> fingerprint params
         self.stats = RouterStats()
+        self.tenants = TenantAuth(tenants)
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -175,10 +190,23 @@ class Router:
         # Either pool alone serves requests (degraded): unhealthy only with neither.
         return web.json_response(body, status=200 if up_d or up_p else 503)
 
-    async def models(self, _: web.Request) -> web.StreamResponse:
+    def _tenant(self, request: web.Request) -> TenantSpec | web.Response | None:
+        """The request's tenant (None without tenants configured), or the 401 answer."""
+        if not self.tenants:
+            return None
+        tenant = self.tenants.match(request.headers.get("Authorization"))
+        if tenant is None:
+            self.stats.unauthorized += 1
+            return unauthorized()
+        return tenant
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        refused = self._tenant(request)
+        if isinstance(refused, web.Response):
+            return refused
         b = self._pick_decode() or self._next_live(self.prefill, set())
         if b is None:
-            return _error(503, "no healthy server")
+            return error_reply(503, "no healthy server")
         async with self.session.get(b.url + "/v1/models") as r:
             return web.json_response(await r.json(), status=r.status)
 
@@ -188,6 +216,7 @@ class Router:
                 "requests": self.stats.requests,
                 "prefill_skipped": self.stats.prefill_skipped,
                 "errors": self.stats.errors,
+                "unauthorized": self.stats.unauthorized,
                 "retries": self.stats.retries,
                 "fallbacks": self.stats.fallbacks,
                 "per_backend": self.stats.per_backend,
@@ -299,12 +328,19 @@ class Router:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.stats.requests += 1
+        tenant = self._tenant(request)
+        if isinstance(tenant, web.Response):
+            return tenant
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body must be JSON")
+            return error_reply(400, "request body must be JSON")
         if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
+            return error_reply(400, "request body must be a JSON object")
+        if tenant is not None:
+            # The client's own salt is dropped: the tenant's secret one seeds every key
+            # (the router's below, the connectors' in prefill and decode).
+            body["cache_salt"] = tenant_salt(tenant.name, tenant.salt.get_secret_value())
         path = request.path
         rid = request.headers.get("X-Request-Id") or f"tc-{time.monotonic_ns():x}"
         if not self._handoff.allow():
@@ -328,7 +364,7 @@ class Router:
                 self._handoff.failed("the prefill server reports its cache unavailable")
                 self.stats.fallback("cache_down")
                 out = await self._decode(pre, path, dict(body), rid, request)
-                if not isinstance(out, _Retry):
+                if not isinstance(out, Retry):
                     return out
                 self.stats.retries += 1
                 kv_params = {}
@@ -344,7 +380,7 @@ class Router:
             if kv_params:
                 dbody["kv_transfer_params"] = kv_params
             out = await self._decode(dec, path, dbody, rid, request)
-            if not isinstance(out, _Retry):
+            if not isinstance(out, Retry):
                 return out
             self.stats.retries += 1
             dec = self._next_live(self.decode, tried)
@@ -353,10 +389,10 @@ class Router:
         srv = self._next_live(self.prefill, set())
         if srv is None:
             self.stats.errors += 1
-            return _error(503, "no healthy decode or prefill server")
+            return error_reply(503, "no healthy decode or prefill server")
         self.stats.fallback("no_decode")
         out = await self._decode(srv, path, dict(body), rid, request)
-        if isinstance(out, _Retry):
+        if isinstance(out, Retry):
             self.stats.errors += 1
             return out.error
         return out
@@ -373,7 +409,7 @@ class Router:
             got = await self._prefill(pre, path, body, rid)
             if isinstance(got, web.Response):
                 return got
-            if not isinstance(got, _Retry):
+            if not isinstance(got, Retry):
                 return got, pre
             self.stats.retries += 1
             pre = self._next_live(self.prefill, tried)
@@ -391,11 +427,11 @@ class Router:
             live = [b for b in (*self.decode, *self.prefill) if b.healthy and b.url not in tried]
             if not live:
                 self.stats.errors += 1
-                return _error(503, "no healthy decode or prefill server")
+                return error_reply(503, "no healthy decode or prefill server")
             srv = self._least_loaded(live)
             tried.add(srv.url)
             out = await self._decode(srv, path, dict(body), rid, request)
-            if not isinstance(out, _Retry):
+            if not isinstance(out, Retry):
                 return out
             self.stats.retries += 1
 
@@ -413,7 +449,7 @@ class Router:
 
     async def _prefill(
         self, b: Backend, path: str, body: dict[str, Any], rid: str
-    ) -> dict[str, Any] | web.Response | _Retry:
+    ) -> dict[str, Any] | web.Response | Retry:
         pbody = dict(body)
         pbody.update(
             max_tokens=1,
@@ -434,18 +470,18 @@ class Router:
                 if r.status != 200:
                     if r.status >= 500:
                         self._mark_failed(b, f"HTTP {r.status}")
-                    if r.status in _RETRY_STATUS:
-                        return _Retry(_passthrough_error(r.status, data, "prefill"))
+                    if r.status in RETRY_STATUS:
+                        return Retry(passthrough_error(r.status, data, "prefill"))
                     self.stats.errors += 1
-                    return _passthrough_error(r.status, data, "prefill")
+                    return passthrough_error(r.status, data, "prefill")
                 resp = json.loads(data)
         except aiohttp.ClientConnectionError as e:
             self._mark_failed(b, str(e) or type(e).__name__)
-            return _Retry(_error(502, f"prefill server {b.url} failed: {type(e).__name__}"))
+            return Retry(error_reply(502, f"prefill server {b.url} failed: {type(e).__name__}"))
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             # Nothing reached the client yet: another prefill server, or the decode alone.
             self._mark_failed(b, str(e) or type(e).__name__)
-            return _Retry(_error(502, f"prefill server {b.url} failed: {type(e).__name__}"))
+            return Retry(error_reply(502, f"prefill server {b.url} failed: {type(e).__name__}"))
         finally:
             b.inflight -= 1
         params = resp.get("kv_transfer_params") or {"do_remote_prefill": True}
@@ -458,7 +494,7 @@ class Router:
 
     async def _decode(
         self, b: Backend, path: str, body: dict[str, Any], rid: str, request: web.Request
-    ) -> web.StreamResponse | _Retry:
+    ) -> web.StreamResponse | Retry:
         b.inflight += 1
         started = False  # once bytes reached the client, a retry would duplicate them
         self.stats.per_backend[b.url] = self.stats.per_backend.get(b.url, 0) + 1
@@ -470,10 +506,10 @@ class Router:
                     data = await r.read()
                     if r.status >= 500:
                         self._mark_failed(b, f"HTTP {r.status}")
-                    if r.status in _RETRY_STATUS:
-                        return _Retry(_passthrough_error(r.status, data, "decode"))
+                    if r.status in RETRY_STATUS:
+                        return Retry(passthrough_error(r.status, data, "decode"))
                     self.stats.errors += 1
-                    return _passthrough_error(r.status, data, "decode")
+                    return passthrough_error(r.status, data, "decode")
                 if not body.get("stream"):
                     return web.Response(
                         body=await r.read(), status=200, content_type="application/json"
@@ -491,43 +527,22 @@ class Router:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._mark_failed(b, str(e) or type(e).__name__)
             if not started:  # nothing reached the client: another server may serve it
-                return _Retry(_error(502, f"decode server {b.url} failed: {type(e).__name__}"))
+                return Retry(error_reply(502, f"decode server {b.url} failed: {type(e).__name__}"))
             self.stats.errors += 1
             if started:
                 return out  # mid-stream: the client sees the stream end without [DONE]
-            return _error(502, f"decode server {b.url} failed: {type(e).__name__}")
+            return error_reply(502, f"decode server {b.url} failed: {type(e).__name__}")
         finally:
             b.inflight -= 1
 
 
-@dataclass
-class _Retry:
-    """A backend failed before answering: try the next live one, or answer ``error``."""
-
-    error: web.Response
-
-
-# Statuses that mean "this server can't take requests now", not "this request is bad".
-_RETRY_STATUS = frozenset({502, 503, 504})
-
-
-def _error(status: int, msg: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": msg, "type": "router_error", "code": status}}, status=status
-    )
-
-
-def _passthrough_error(status: int, data: bytes, stage: str) -> web.Response:
-    try:
-        err = json.loads(data)
-        msg = err.get("error", {}).get("message") or err.get("message") or str(err)
-    except (json.JSONDecodeError, AttributeError):
-        msg = data.decode(errors="replace")[:500]
-    return _error(status if status < 500 else 502, f"{stage} server error ({status}): {msg}")
-
-
 def run_router(
-    prefill: Sequence[str], decode: Sequence[str], host: str, port: int, cache: Any | None = None
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    host: str,
+    port: int,
+    cache: Any | None = None,
+    tenants: Sequence[TenantSpec] = (),
 ) -> None:
-    router = Router(prefill, decode, cache=cache)
+    router = Router(prefill, decode, cache=cache, tenants=tenants)
     web.run_app(router.app(), host=host, port=port, print=lambda *_: None)

@@ -86,6 +86,13 @@ class AdminOps(AgentState):
         }
 
     async def _stats_op(self, conn: _Conn, req: Stats) -> dict[str, Any]:
+        book = self.store.tenants
+        if req.tenant:  # a tenant's own figures, nothing of the node's or of others
+            return {
+                "node_id": self.cfg.node_id,
+                "tenant": req.tenant,
+                "usage": book.usage(req.tenant),
+            }
         top = self.store.slots[0].tier
         return {
             "node_id": self.cfg.node_id,
@@ -93,6 +100,7 @@ class AdminOps(AgentState):
             "metrics": _metric_summary(self.metrics),
             # The DRAM pool's books (free slots, reserved runs, leases): leak checks.
             "pool": top.accounting() if isinstance(top, DRAMTier) else None,
+            "tenants": {t: book.usage(t) for t in book.tenants()},
         }
 
     async def _pin_add(self, conn: _Conn, req: PinAdd) -> dict[str, Any]:
@@ -122,7 +130,7 @@ class AdminOps(AgentState):
 
     async def _ls_op(self, conn: _Conn, req: Ls) -> dict[str, Any]:
         """Chunk keys with a prefix, across this node's tiers."""
-        return self._ls(req.prefix, req.limit)
+        return self._ls(req.prefix, req.limit, req.tenant)
 
     async def _nodes(self, conn: _Conn, req: Nodes) -> dict[str, Any]:
         return {"nodes": await self.directory.nodes()}
@@ -143,15 +151,18 @@ class AdminOps(AgentState):
         """Drop every chunk of one tier (pinned ones only when asked)."""
         return await self._clear(req.tier, req.include_pinned)
 
-    def _ls(self, prefix: str, limit: int) -> dict[str, Any]:
+    def _ls(self, prefix: str, limit: int, tenant: str = "") -> dict[str, Any]:
         found: list[dict[str, Any]] = []
+        owner = self.store.tenants.owner
         for slot in self.store.slots:
             pinned = self.store.pinned_keys(slot.name)
             for k, size in slot.tier.entries():
-                if k.startswith(prefix):
+                of = owner(slot.name, k)
+                if k.startswith(prefix) and (not tenant or of == tenant):
                     found.append(
-                        {"key": k, "tier": slot.name, "bytes": size, "pinned": k in pinned}
-                    )
+                        {"key": k, "tier": slot.name, "bytes": size, "pinned": k in pinned,
+                         "tenant": of}
+                    )  # fmt: skip
         found.sort(key=lambda e: e["key"])
         return {"entries": found[: max(0, limit)], "total": len(found)}
 

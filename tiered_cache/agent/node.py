@@ -136,6 +136,7 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
             peer_fetch=self._peer_fetch,
             mac_key=chunk_mac_key(cfg.agent),
             max_background_bytes=cfg.agent.max_background_bytes,
+            tenant_quotas=cfg.tenants,
         )
         self._servers: list[asyncio.base_events.Server] = []
         self._local_tasks: set[asyncio.Task[None]] = set()  # one per connected client or peer

@@ -25,6 +25,7 @@ from tiered_cache.cli.common import (
     friendly,
 )
 from tiered_cache.cli.fmt import _fmt_age, _fmt_bytes, _stats_text, _table
+from tiered_cache.config import CacheConfig
 
 
 @click.command("models")
@@ -70,24 +71,29 @@ def models_cmd(config: str | None, as_json: bool) -> None:
 @_cfg_opt
 @click.option("--prefix", default="", help="Key prefix (hex); empty lists everything.")
 @click.option("--limit", type=int, default=100, show_default=True)
+@click.option("--tenant", default="", help="Only this tenant's chunks.")
 @_json_opt
 @friendly
-def ls_cmd(config: str | None, prefix: str, limit: int, as_json: bool) -> None:
+def ls_cmd(config: str | None, prefix: str, limit: int, tenant: str, as_json: bool) -> None:
     """List chunk keys on this node with a prefix, across tiers."""
     prefix = prefix.lower()
     if not re.fullmatch(r"[0-9a-f]{0,32}", prefix):
         raise CliError("--prefix must be hex (chunk keys are 32 hex characters)")
     cfg = _load(config)
-    r = _agent_op(cfg, "ls", prefix=prefix, limit=limit)
+    # Sent only when given: an agent older than tenancy refuses the field.
+    r = _agent_op(cfg, "ls", prefix=prefix, limit=limit, **({"tenant": tenant} if tenant else {}))
     if as_json:
         click.echo(json.dumps({"entries": r["entries"], "total": r["total"]}))
         return
     if not r["entries"]:
         click.echo(f"no chunks with prefix {prefix!r}")
         return
-    rows = [["KEY", "TIER", "BYTES", "PINNED"]]
+    rows = [["KEY", "TIER", "BYTES", "PINNED", "TENANT"]]
     for e in r["entries"]:
-        rows.append([e["key"], e["tier"], _fmt_bytes(e["bytes"]), "yes" if e["pinned"] else ""])
+        rows.append(
+            [e["key"], e["tier"], _fmt_bytes(e["bytes"]), "yes" if e["pinned"] else "",
+             e.get("tenant", "")]
+        )  # fmt: skip
     click.echo(_table(rows, right={2}))
     if r["total"] > len(r["entries"]):
         click.echo(f"... {r['total'] - len(r['entries'])} more (raise --limit)")
@@ -210,6 +216,7 @@ def nodes(config: str | None, as_json: bool) -> None:
 @click.option("--watch", type=float, metavar="SECONDS", help="Refresh every SECONDS.")
 @click.option("--count", type=int, help="With --watch: stop after this many readings.")
 @click.option("--scrape", multiple=True, metavar="URL", help="Also read an agent's /metrics.")
+@click.option("--tenant", help="Only this tenant's bytes, chunks and quota per tier.")
 @friendly
 def stats(
     config: str | None,
@@ -217,6 +224,7 @@ def stats(
     watch: float | None,
     count: int | None,
     scrape: tuple[str, ...],
+    tenant: str | None,
 ) -> None:
     """Hit rate per tier, usage and capacity per tier and node, evictions, errors."""
     from tiered_cache.dashboard import Collector, summarize
@@ -224,6 +232,9 @@ def stats(
     cfg = _load(config)
     if watch is not None and watch <= 0:
         raise CliError("--watch takes a positive number of seconds")
+    if tenant is not None:
+        _tenant_stats(cfg, tenant, as_json)
+        return
     clear = watch is not None and not as_json and sys.stdout.isatty()
 
     async def go() -> None:
@@ -253,3 +264,19 @@ def stats(
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(go())
+
+
+def _tenant_stats(cfg: CacheConfig, tenant: str, as_json: bool) -> None:
+    """``stats --tenant``: that tenant's bytes, chunks and quota per tier on this node's
+    agent, and nothing of the node's or other tenants'."""
+    r = _agent_op(cfg, "stats", tenant=tenant)
+    if as_json:
+        click.echo(json.dumps({"node_id": r["node_id"], "tenant": tenant, "tiers": r["usage"]}))
+        return
+    rows = [["TIER", "USED", "CHUNKS", "QUOTA"]]
+    for tier, u in r["usage"].items():
+        quota = u["quota_bytes"]
+        rows.append([tier, _fmt_bytes(u["used_bytes"]), str(u["chunks"]),
+                     "-" if quota is None else _fmt_bytes(quota)])  # fmt: skip
+    click.echo(f"tenant {tenant} on {r['node_id']}")
+    click.echo(_table(rows, right={1, 2, 3}))

@@ -104,6 +104,11 @@ def _check_budget(cfg: CacheConfig, tiers: list[str], need: int) -> None:
 @click.option("--tiers", default="dram", show_default=True, help="Comma list of dram,nvme,s3.")
 @click.option("--ttl", default="none", show_default=True, help="e.g. 24h, 30m; none = hard pin.")
 @click.option("--salt", help="cache_salt of the tenant.")
+@click.option(
+    "--tenant",
+    help="A tenant of the config's router.tenants: pin with its secret salt, as its requests"
+    " through the router are keyed.",
+)
 @click.option("--note", default="", help="Free text shown by `pin ls`.")
 @click.option("--owner", default=lambda: os.environ.get("USER", "admin"))
 @_json_opt
@@ -124,6 +129,7 @@ def pin_add(
     tiers: str,
     ttl: str,
     salt: str | None,
+    tenant: str | None,
     note: str,
     owner: str,
     as_json: bool,
@@ -131,8 +137,16 @@ def pin_add(
     """Pin a prefix: print its id, chunks and bytes."""
     from tiered_cache.directory import Pin
     from tiered_cache.keys import chunk_keys
+    from tiered_cache.tenancy import tenant_of_salt, tenant_salt
 
     cfg = _load(config)
+    if tenant:
+        spec = next((t for t in cfg.router.tenants if t.name == tenant), None)
+        if spec is None:
+            raise CliError(f"--tenant {tenant!r} is not in the config's router.tenants")
+        if salt:
+            raise CliError("give --tenant or --salt, not both (a tenant's salt is its own)")
+        salt = tenant_salt(spec.name, spec.salt.get_secret_value())
     tier_list = _tier_list(tiers)
     ttl_s = parse_duration(ttl)
     ctx = click.get_current_context()
@@ -213,6 +227,7 @@ def pin_add(
         num_tokens=len(toks),
         bytes_per_chunk=cb or None,
         tokens=toks,
+        tenant=tenant_of_salt(salt),
     )
     pin_id = _Admin(cfg, token).add(p, cb)
     info = {

@@ -30,14 +30,17 @@ def pin() -> None:
 @pin.command("ls")
 @_cfg_opt
 @click.option("--fleet/--no-fleet", default=True, help="With Redis: which nodes hold each pin.")
+@click.option("--tenant", help="Only this tenant's pins (made with `pin add --tenant`).")
 @_json_opt
 @friendly
-def pin_ls(config: str | None, fleet: bool, as_json: bool) -> None:
+def pin_ls(config: str | None, fleet: bool, tenant: str | None, as_json: bool) -> None:
     """List pins: owner, age, TTL left, bytes, residency per tier (resident/pending/missing)."""
     from tiered_cache.dashboard import pin_rows
 
     cfg = _load(config)
     pins, res, where = _Admin(cfg, None).list(fleet=fleet)
+    if tenant is not None:
+        pins = [p for p in pins if p.tenant == tenant]
     rows = pin_rows([p.model_dump() for p in pins], res, where)
     if as_json:
         click.echo(json.dumps(rows))

@@ -117,7 +117,8 @@ def dashboard(
     "-c",
     "--config",
     type=click.Path(dir_okay=False),
-    help="Cache config: makes routing cache-aware through the node agent.",
+    help="Cache config: makes routing cache-aware through the node agent; its"
+    " router.tenants make every request need a tenant's API key.",
 )
 @friendly
 def router(
@@ -130,11 +131,17 @@ def router(
         if not u.startswith(("http://", "https://")):
             raise CliError(f"backend URL must start with http:// or https://: {u!r}")
     cache = None
+    tenants = []
     if config:
         from tiered_cache.client import connect
 
-        cache = connect(_load(config), embedded="never", attach_pool=False)
-    run_router(prefill, decode, host, port, cache=cache)
+        cfg = _load(config)
+        tenants = cfg.router.tenants
+        if tenants:
+            names = ", ".join(t.name for t in tenants)
+            click.echo(f"tenants: {names} (API keys required)", err=True)
+        cache = connect(cfg, embedded="never", attach_pool=False)
+    run_router(prefill, decode, host, port, cache=cache, tenants=tenants)
 
 
 @click.command()

@@ -60,6 +60,7 @@ class Pin(BaseModel):
     bytes_per_chunk: int | None = None
     # The prefix's token ids, so `pin warm` can prefill it through vLLM; None when unknown.
     tokens: list[int] | None = None
+    tenant: str = ""  # whose prefix (``tenancy``): its keys carry that tenant's salt
 
     @field_validator("id")
     @classmethod

@@ -15,7 +15,8 @@ from policies import EntryInfo
 from tiered_cache import codec
 from tiered_cache.events import StoreEvents
 from tiered_cache.hierarchy.background import CopyBudget
-from tiered_cache.hierarchy.types import Hit, TierSlot
+from tiered_cache.hierarchy.types import Hit, TierSlot, header_tenant
+from tiered_cache.tenancy import TenantBook
 from tiered_cache.tiers.base import SlotTier, TierError, TierFull
 
 log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
@@ -39,6 +40,7 @@ class SlotsMixin:
     _prefetching: set[str]
     _missed: dict[str, float]
     background: CopyBudget
+    tenants: TenantBook
 
     mac_key: bytes | None
 
@@ -50,6 +52,7 @@ class SlotsMixin:
             self, slot: TierSlot, nbytes: int
         ) -> Callable[[], Awaitable[object]] | None: ...
         def _track(self, slot: TierSlot, key: str, size: int) -> None: ...
+        async def _enforce_quota(self, slot: TierSlot, tenant: str) -> None: ...
         async def _publish(self, tier: str, keys: Sequence[str]) -> None: ...
         def _is_pinned(self, tier: str, key: str) -> bool: ...
         async def _write_down(self, key: str, raw: bytes, slots: Sequence[TierSlot]) -> None: ...
@@ -115,6 +118,10 @@ class SlotsMixin:
                 self._info[key] = info
             top.eviction.on_remove(key)
             self._track(top, key, length)
+            # Room was made at reserve, before the client wrote the header naming the
+            # tenant: its quota is checked now (below, once the copies are taken).
+            tenant = header_tenant(tier.slot_view(slot)[: codec.HEADER_SIZE])
+            self.tenants.add(top.name, key, tenant, length)
         through = [
             s
             for s in self.slots[1:]
@@ -133,6 +140,7 @@ class SlotsMixin:
         await self._publish(top.name, [key])
         if raw is not None and wait:
             await self._write_down(key, raw, through)
+        await self._enforce_quota(top, tenant)
 
     async def lease(
         self,
@@ -232,14 +240,18 @@ class SlotsMixin:
             tokens = codec.parse_header(dram.slot_view(s)[: codec.HEADER_SIZE])[0].num_tokens
         self.events.hit("nvme", tokens, n, time.perf_counter() - t0)
         async with self._locks[top.name]:
+            tenant = header_tenant(dram.slot_view(s)[: codec.HEADER_SIZE])
             if dram.size_of(key) is None:
                 dram.commit(key, s, n)
                 top.eviction.on_remove(key)
                 self._track(top, key, n)
+                self.tenants.add(top.name, key, tenant, n)
             else:
                 dram.abort(s)  # promoted meanwhile by another reader
         await self._publish(top.name, [key])
-        return dram.acquire(key)
+        got = dram.acquire(key)  # leased: the quota's evictions pass over it
+        await self._enforce_quota(top, tenant)
+        return got
 
     def release(self, slot: int) -> None:
         tier = self._dram()[1]

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from policies import EntryInfo
 from tiered_cache.breaker import Breaker
@@ -27,21 +27,24 @@ from tiered_cache.estimates import SourceEstimator
 from tiered_cache.events import MetricsEvents, StoreEvents
 from tiered_cache.hierarchy.background import DEFAULT_BACKGROUND_BYTES, CopyBudget
 from tiered_cache.hierarchy.pins import PinsMixin
+from tiered_cache.hierarchy.quotas import QuotasMixin
 from tiered_cache.hierarchy.reads import ReadsMixin
 from tiered_cache.hierarchy.remote import RemoteMixin
 from tiered_cache.hierarchy.slots import SlotsMixin
-from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot, header_info
+from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot, header_info, header_tenant
 from tiered_cache.metrics import Metrics
+from tiered_cache.tenancy import TenantBook, TenantQuota
 from tiered_cache.tiers.base import SlotTier, TierError, TierFull
 
 log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
 REPUBLISH_BATCH = 1000  # keys per directory publish when refreshing them all
 
 
-class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
+class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
     """The store of one node. Its parts: this class (tiers, eviction, the write path,
     admin), ``PinsMixin`` (pins), ``ReadsMixin`` (the read path), ``RemoteMixin`` (other
-    nodes' copies) and ``SlotsMixin`` (the DRAM slot protocol, prefetch)."""
+    nodes' copies), ``SlotsMixin`` (the DRAM slot protocol, prefetch) and ``QuotasMixin``
+    (tenants' quotas)."""
 
     def __init__(
         self,
@@ -57,6 +60,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         max_background: int = 16,
         mac_key: bytes | None = None,
         max_background_bytes: int = DEFAULT_BACKGROUND_BYTES,
+        tenant_quotas: Mapping[str, TenantQuota] | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
@@ -109,14 +113,20 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         # tier -> key -> ids of pins covering it
         self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
         self._pins: dict[str, Pin] = {}
+        # Bytes per tenant per tier (from the tenant each chunk's header names) and quotas.
+        self.tenants = TenantBook(names, tenant_quotas or {})
+        self._tenants_seen: set[str] = set()  # reported in gauges (quotas.py)
         self._adopt()
 
     def _adopt(self) -> None:
         """Track what tiers already hold (after a restart) in their eviction policies,
         with the prefix information their chunk headers carry."""
         for s in self.slots:
-            for key, (parent, position) in s.tier.take_recovered().items():
-                self._info.setdefault(key, EntryInfo(parent or None, position))
+            for key, (parent, position, tenant) in s.tier.take_recovered().items():
+                if parent or position:
+                    self._info.setdefault(key, EntryInfo(parent or None, position))
+                if tenant:
+                    self.tenants.add(s.name, key, tenant, s.tier.size_of(key) or 0)
             for key, size in s.tier.entries():
                 if key not in s.eviction and not self._is_pinned(s.name, key):
                     s.eviction.on_insert(key, size, self._info.get(key))
@@ -172,9 +182,11 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
     # ---------------------------------------------------------------- eviction
 
     async def _make_room(
-        self, slot: TierSlot, nbytes: int
+        self, slot: TierSlot, nbytes: int, tenant: str = ""
     ) -> Callable[[], Awaitable[object]] | None:
-        """Evict from ``slot`` until ``nbytes`` fit; None once they do. Caller holds the
+        """Evict from ``slot`` until ``nbytes`` fit, and fit ``tenant``'s quota there; None
+        once they do. Over the quota, only the tenant's own chunks are candidates (its
+        least valuable by the tier's policy); for the tier's capacity, any. Caller holds the
         tier's lock. A victim the write-back tier below lacks is not copied down here:
         that is slow I/O (NVMe, S3), and every writer of this tier waits on the lock. What
         is returned instead, the caller runs after letting go of the lock (copy that
@@ -182,13 +194,28 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         tier = slot.tier
         below = self._below(slot)
         demoting = self._demoting[slot.name]
-        while not tier.has_room(nbytes):
+        while True:
+            over = self.tenants.over(slot.name, tenant, nbytes)
+            if not over and tier.has_room(nbytes):
+                return None
             # A chunk a reader holds would free nothing until it is released: the policy
             # steps over it without counting a read, so its rank stays as it was.
-            chosen = slot.eviction.evict(1, tier.leased())
+            chosen = slot.eviction.evict(1, self._not_of(slot, tenant) if over else tier.leased())
             if not chosen:
-                if demoting:  # victims being copied down free their room soon
-                    return next(iter(demoting.values())).wait
+                # Victims being copied down free their room soon (over a quota: the
+                # tenant's own).
+                soon = [
+                    done.wait
+                    for k, done in demoting.items()
+                    if not over or self.tenants.owner(slot.name, k) == tenant
+                ]
+                if soon:
+                    return soon[0]
+                if over:
+                    raise TierFull(
+                        f"{tier.name}: tenant {tenant} is at its quota, its chunks there"
+                        " pinned or in use"
+                    )
                 raise TierFull(f"{tier.name}: full of pinned or in-use chunks")
             key = chosen[0]
             if (
@@ -198,8 +225,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
             ):
                 done = demoting[key] = asyncio.Event()
                 return functools.partial(self._demote, slot, key, done)
-            await self._drop(slot, key, "capacity")
-        return None
+            await self._drop(slot, key, "quota" if over else "capacity")
 
     async def _demote(self, slot: TierSlot, key: str, done: asyncio.Event) -> None:
         """Copy ``key``, a victim of ``slot`` (out of its policy already), to the
@@ -233,7 +259,9 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
 
     async def _drop(self, slot: TierSlot, key: str, reason: str) -> None:
         """Remove ``key`` from ``slot``; the eviction policy has already let go of it."""
-        if await slot.tier.delete(key):
+        removed = await slot.tier.delete(key)
+        self.tenants.remove(slot.name, key)
+        if removed:
             self.events.evicted(slot.name, reason)
             if self.directory is not None:
                 await self._unpublish(slot.name, [key])
@@ -253,12 +281,13 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         (when given) gets the reason: refused, too_large, full or io."""
         n = memoryview(data).nbytes
         name = slot.name
+        tenant = header_tenant(data)
         why = why if why is not None else []
         if not force and key not in self._pinned[name] and not slot.admission.admit(key, n):
             self.events.refused(name)
             why.append("refused")
             return False
-        if not slot.tier.fits(n):
+        if not slot.tier.fits(n) or not self.tenants.fits(name, tenant, n):
             self.events.write_failed(name, "too_large")
             why.append("too_large")
             return False
@@ -271,9 +300,10 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
                         # would risk the copy (and a pinned one) for nothing.
                         slot.eviction.on_access(key)
                         return True
-                    pending = await self._make_room(slot, n)
+                    pending = await self._make_room(slot, n, tenant)
                     if pending is None:
                         await slot.tier.put(key, data)
+                        self.tenants.add(name, key, tenant, n)
                 except TierFull as e:
                     self.events.write_failed(slot.name, "full")
                     log.warning("%s refused %s: %s", slot.name, key, e)
@@ -407,6 +437,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
             async with self._locks[slot.name]:
                 slot.eviction.on_remove(key)
                 removed = await slot.tier.delete(key)
+                self.tenants.remove(slot.name, key)
             if removed:
                 self.events.evicted(slot.name, reason)
                 await self._unpublish(slot.name, [key])
@@ -422,6 +453,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
         the object lives on, found again by a HEAD): the policy and prefix info let go."""
         if not self._is_pinned(slot.name, key):
             slot.eviction.on_remove(key)
+        self.tenants.remove(slot.name, key)
         self._forget_info(key)
 
     # ---------------------------------------------------------------- admin
@@ -437,6 +469,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin):
                 "pinned_bytes": self.pinned_bytes(s.name),
             }
             self.events.usage(s.name, u.used_bytes, u.capacity_bytes)
+        self._report_tenants()
         return out
 
     async def republish(self) -> None:

@@ -36,6 +36,14 @@ def header_info(data: bytes | bytearray | memoryview) -> EntryInfo | None:
     return EntryInfo(meta.parent or None, meta.position)
 
 
+def header_tenant(data: bytes | bytearray | memoryview) -> str:
+    """The tenant an encoded chunk's header names ("" for none, or for a bad header)."""
+    try:
+        return codec.parse_header(memoryview(data)[: codec.HEADER_SIZE])[0].tenant
+    except (codec.ChunkError, ValueError):
+        return ""
+
+
 @dataclass
 class TierSlot:
     tier: Tier

@@ -84,10 +84,10 @@ class Tier(abc.ABC):
         u = self.usage()
         return u.capacity_bytes is None or u.used_bytes + nbytes <= u.capacity_bytes
 
-    def take_recovered(self) -> dict[str, tuple[str, int]]:
-        """``key -> (parent, position)`` read from the headers of chunks found at start-up
-        (left by a previous run), handed over once: the hierarchy gives them to its
-        eviction policies so a restart keeps the prefix tree."""
+    def take_recovered(self) -> dict[str, tuple[str, int, str]]:
+        """``key -> (parent, position, tenant)`` read from the headers of chunks found at
+        start-up (left by a previous run), handed over once: the hierarchy gives them to its
+        eviction policies so a restart keeps the prefix tree, and to its tenant accounts."""
         return {}
 
     def leased(self) -> Set[str]:

@@ -241,7 +241,7 @@ class DRAMTier(SlotTier):
         self._runs: dict[int, _Run] = {}  # first slot -> run (committed, reserved, zombie)
         self._index: dict[str, int] = {}
         self._leased: set[int] = set()  # slots of runs with leases > 0
-        self._recovered: dict[str, tuple[str, int]] = {}
+        self._recovered: dict[str, tuple[str, int, str]] = {}
         self._free = _Extents()
         self._used_bytes = 0
         # Published copy of the index, read by clients without asking the agent. Made
@@ -317,8 +317,8 @@ class DRAMTier(SlotTier):
             pages = self._pages(length)
             self._runs[i] = _Run(pages, meta.key, length)
             self._index[meta.key] = i
-            if meta.parent or meta.position:
-                self._recovered[meta.key] = (meta.parent, meta.position)
+            if meta.parent or meta.position or meta.tenant:
+                self._recovered[meta.key] = (meta.parent, meta.position, meta.tenant)
             self._used_bytes += length
             self.shared_index.publish(meta.key, i, length)
             i += pages
@@ -380,7 +380,7 @@ class DRAMTier(SlotTier):
         self._leased.add(slot)
         return slot, run.length
 
-    def take_recovered(self) -> dict[str, tuple[str, int]]:
+    def take_recovered(self) -> dict[str, tuple[str, int, str]]:
         got, self._recovered = self._recovered, {}
         return got
 

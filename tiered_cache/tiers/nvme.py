@@ -151,7 +151,7 @@ class NVMeTier(Tier):
         self._mu = threading.Lock()  # guards _index, _used, _reserved
         self._stripes = [threading.Lock() for _ in range(_NSTRIPES)]
         self._index: dict[str, int] = {}
-        self._recovered: dict[str, tuple[str, int]] = {}
+        self._recovered: dict[str, tuple[str, int, str]] = {}
         self._used = 0
         self._reserved = 0  # bytes promised to puts in flight, so concurrent puts can't overbook
         self._closed = False
@@ -268,10 +268,10 @@ class NVMeTier(Tier):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(fpath)
                 continue
-            key, (size, parent, position) = fname[: -len(SUFFIX)], got
+            key, (size, parent, position, tenant) = fname[: -len(SUFFIX)], got
             self._index[key] = size
-            if parent or position:
-                self._recovered[key] = (parent, position)
+            if parent or position or tenant:
+                self._recovered[key] = (parent, position, tenant)
         self._used = sum(self._index.values())
         report = ScanReport(len(self._index), self._used, discarded, self._tmp_removed)
         log.info("NVMe tier %s opened: %s", self.root, report)
@@ -284,8 +284,8 @@ class NVMeTier(Tier):
             )
         return report
 
-    def _check_file(self, item: tuple[str, str, str]) -> tuple[int, str, int] | None:
-        """(size, parent, position) of a well-formed chunk file, or None (with the reason
+    def _check_file(self, item: tuple[str, str, str]) -> tuple[int, str, int, str] | None:
+        """(size, parent, position, tenant) of a well-formed chunk file, or None (with the reason
         logged)."""
         fpath, dname, fname = item
         key = fname[: -len(SUFFIX)]
@@ -302,7 +302,7 @@ class NVMeTier(Tier):
                 raise codec.ChunkCorrupt(
                     f"size {size} != header {codec.HEADER_SIZE} + payload {payload_len}"
                 )
-            return size, meta.parent, meta.position
+            return size, meta.parent, meta.position, meta.tenant
         except (OSError, ValueError, codec.ChunkError) as e:  # ValueError: undecodable text
             log.warning("discarding NVMe chunk %s: %s", fpath, e)
             return None
@@ -355,7 +355,7 @@ class NVMeTier(Tier):
         with self._mu:
             return TierUsage(self._used, self.capacity_bytes, len(self._index))
 
-    def take_recovered(self) -> dict[str, tuple[str, int]]:
+    def take_recovered(self) -> dict[str, tuple[str, int, str]]:
         got, self._recovered = self._recovered, {}
         return got
 
