@@ -41,6 +41,11 @@ last token; ``kv_both`` does both (offload and reuse its own prefixes).
     with a node agent, copy each layer's blocks into reserved DRAM slots as vLLM reports
     the layer done, overlapping the rest of the forward pass; false copies every layer at
     the end of the pass. Either way checksum + commit run on a helper thread afterwards.
+``save_copy_thread`` (false)
+    KV in host memory (vLLM's CPU backend): each layer's copy runs inline in the hook,
+    since a helper thread would overlap nothing and its copy would start a second OpenMP
+    team on the engine's cores; true moves it to a helper thread. On an accelerator the
+    copy always runs on a side stream from a helper thread.
 ``model_id``
     model identity in the chunk fingerprint (default: vLLM's model path/name); set it
     when prefill and decode nodes name the same model differently.

@@ -66,6 +66,7 @@ class WorkerSide(ConnectorBase):
         # Saves: layer copies into reserved DRAM slots overlap the forward pass; checksum +
         # commit run after it on another thread.
         self._layerwise = _as_bool(self._extra.get("layerwise_save", True))
+        self._copy_thread = _as_bool(self._extra.get("save_copy_thread", False))
         self._step_save: _StepSave | None = None
         self._copy_pool: ThreadPoolExecutor | None = None
         self._finish_pool: ThreadPoolExecutor | None = None
@@ -355,6 +356,11 @@ class WorkerSide(ConnectorBase):
         if st.res is None or li is None or li in st.layers:
             return
         st.layers.add(li)
+        if kv.on_host and not self._copy_thread:
+            # On a CPU backend a helper thread overlaps nothing (the same cores compute),
+            # and its torch copy would start a second OpenMP team beside the engine's.
+            self._copy_layer_inner(st, li, None)
+            return
         ev: Any = None
         if not kv.on_host:  # the copy must follow this layer's kernels on the compute stream
             ev = torch.cuda.Event()

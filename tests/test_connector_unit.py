@@ -831,6 +831,12 @@ def test_zero_copy_save_is_copied_out_before_wait_for_save_returns(
     with torch.inference_mode():  # vLLM runs the forward pass (and these hooks) in it
         for i in range(LAYERS):  # what vLLM's attention wrapper does after each layer
             p.worker.save_kv_layer(f"model.layers.{i}.self_attn.attn", p.layers[i], None)
+            step = p.worker.worker._step_save
+            if layerwise:  # KV in host memory: the layer is in its slots when the hook returns
+                assert step is not None and step.res is not None
+                for idx, dst in zip(step.idx, step.dests, strict=True):
+                    assert torch.equal(dst[i], p.layers[i][idx])
+        assert p.worker.worker._copy_pool is None  # no second OpenMP team on a CPU backend
         step = p.worker.worker._step_save
         assert (step is not None and step.res is not None) is layerwise  # slots reserved
         assert step is None or len(step.layers) == LAYERS
