@@ -156,6 +156,21 @@ async def test_pins_survive_pressure_and_budget() -> None:
     await store.close()
 
 
+async def test_a_failed_tier_write_is_counted_once(nvme_dir: Path) -> None:
+    """The NVMe tier counts its own write errors (it also runs alone); the store must not
+    count them again."""
+    m = Metrics()
+    store = TieredStore([TierSlot(NVMeTier(nvme_dir, 1 << 20, metrics=m))], metrics=m)
+    await store.open()
+    k = key(7)
+    # The chunk's directory is a file: ENOTDIR, an I/O error.
+    shutil.rmtree(nvme_dir / k[:2], ignore_errors=True)
+    (nvme_dir / k[:2]).write_bytes(b"")
+    assert not await store.put(k, blob(k))
+    assert m.value("tiered_cache_write_errors_total", tier="nvme", reason="io") == 1
+    await store.close()
+
+
 async def test_full_of_pins_refuses_cleanly() -> None:
     store = TieredStore([TierSlot(dram(2), pin_budget_fraction=1.0)])
     await store.put(key(0), blob(key(0)))

@@ -305,12 +305,14 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
                         await slot.tier.put(key, data)
                         self.tenants.add(name, key, tenant, n)
                 except TierFull as e:
-                    self.events.write_failed(slot.name, "full")
+                    if "full" not in slot.tier.counts_write_errors:
+                        self.events.write_failed(slot.name, "full")
                     log.warning("%s refused %s: %s", slot.name, key, e)
                     why.append("full")
                     return False
                 except TierError as e:
-                    self.events.write_failed(slot.name, "io")
+                    if "io" not in slot.tier.counts_write_errors:
+                        self.events.write_failed(slot.name, "io")
                     log.warning("%s write of %s failed: %s", slot.name, key, e)
                     why.append("io")
                     return False

@@ -34,6 +34,9 @@ class Tier(abc.ABC):
     #: Set by the tiered store: called with each key a tier drops from its local index on
     #: its own (S3's bounded index), so what is kept per key elsewhere goes too.
     on_forget: Callable[[str], None] | None = None
+    #: Write-error reasons the tier counts in ``write_errors`` itself (it also runs alone,
+    #: in benches and tests); the tiered store counts the others, so none counts twice.
+    counts_write_errors: frozenset[str] = frozenset()
 
     @abc.abstractmethod
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:

@@ -118,6 +118,7 @@ def hugepage_buffer(n: int) -> mmap.mmap:
 
 class NVMeTier(Tier):
     name = "nvme"
+    counts_write_errors = frozenset({"full", "io"})
 
     def __init__(
         self,

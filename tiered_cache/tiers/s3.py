@@ -111,6 +111,7 @@ def _normalise_prefix(prefix: str) -> str:
 
 class S3Tier(Tier):
     name = "s3"
+    counts_write_errors = frozenset({"io"})
     # A size a server claims above this is refused before any buffer is allocated for it
     # (chunks are tens of MiB; a lying Content-Range must not cost a huge allocation).
     max_object_bytes = 4 * 2**30
