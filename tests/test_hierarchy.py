@@ -467,3 +467,48 @@ async def test_a_copy_the_directory_names_but_nobody_has_stops_being_offered(
         assert await store.lookup([key(2)]) == ["dram"]
     finally:
         await store.close()
+
+
+async def test_a_prefetch_asks_the_directory_once_and_its_waiter_wakes_when_chunks_land() -> None:
+    """A batch prefetched from a peer costs one directory round trip, not one per chunk;
+    ``wait_prefetched`` returns when the copies end (not at its timeout, nor on a poll),
+    and says whether DRAM holds them all."""
+    from tiered_cache.directory import LocalDirectory
+
+    directory = LocalDirectory()
+    calls: list[int] = []
+    locate = directory.locate
+
+    async def counted(keys):  # type: ignore[no-untyped-def]
+        calls.append(len(keys))
+        return await locate(keys)
+
+    directory.locate = counted  # type: ignore[method-assign]
+    gate, both = asyncio.Event(), asyncio.Event()
+    fetching: list[str] = []
+
+    async def fetch(k: str, node: str) -> tuple[bytes, float] | None:
+        fetching.append(k)
+        if len(fetching) == 2:
+            both.set()
+        await gate.wait()  # the bytes are on their way until the test lets them land
+        return (blob(k), 0.001) if k != key(3) else None  # key(3): the peer lost it
+
+    store = TieredStore([TierSlot(dram(8))], node_id="me", directory=directory, peer_fetch=fetch)
+    try:
+        keys = [key(1), key(2)]
+        await directory.heartbeat("peer", {}, 60)
+        await directory.publish("peer", "dram", [*keys, key(3)], 60)
+        assert await store.prefetch(keys, FP) == 2
+        assert calls == [2]  # one batch, and no read plan asked again
+        waiter = asyncio.ensure_future(store.wait_prefetched(keys, 60.0))
+        await asyncio.wait_for(both.wait(), 10.0)  # both copies under way, neither landed
+        assert not waiter.done()
+        gate.set()
+        assert await asyncio.wait_for(waiter, 10.0) is True  # woke on landing, not at 60 s
+        assert await store.lookup(keys) == ["dram", "dram"]
+        # A copy that fails ends the wait too, with False.
+        assert await store.prefetch([key(3)], FP) == 1
+        assert await asyncio.wait_for(store.wait_prefetched([key(3)], 60.0), 10.0) is False
+    finally:
+        await store.close()

@@ -106,8 +106,11 @@ class SlotStore(ChunkStore, Protocol):
         """Each key on its own (no prefix rule): (source, expected seconds) or None."""
         ...
 
-    def prefetch(self, keys: Sequence[str], fingerprint: bytes | None = None) -> int:
-        """Copy ``keys`` into the node's DRAM in the background; how many were started."""
+    def prefetch(
+        self, keys: Sequence[str], fingerprint: bytes | None = None, wait_s: float = 0.0
+    ) -> int:
+        """Copy ``keys`` into the node's DRAM in the background; how many were started.
+        ``wait_s``: return once they have landed (or their copies failed), at most then."""
         ...
 
     def in_dram(self, keys: Sequence[str]) -> list[bool] | None:
@@ -201,7 +204,9 @@ class MemoryChunkStore:
     def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float] | None]:
         return [("dram", 0.0) if k in self._data else None for k in keys]
 
-    def prefetch(self, keys: Sequence[str], fingerprint: bytes | None = None) -> int:
+    def prefetch(
+        self, keys: Sequence[str], fingerprint: bytes | None = None, wait_s: float = 0.0
+    ) -> int:
         return 0
 
     def in_dram(self, keys: Sequence[str]) -> list[bool] | None:

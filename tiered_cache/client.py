@@ -275,13 +275,17 @@ class AgentClient:
         r = self._retry(lambda: self._call(Present(list(keys), int(nbytes))))  # fmt: skip
         return [None if f is None else (str(f[0]), float(f[1])) for f in r["found"]]
 
-    def prefetch(self, keys: Sequence[str], fingerprint: bytes | None = None) -> int:
+    def prefetch(
+        self, keys: Sequence[str], fingerprint: bytes | None = None, wait_s: float = 0.0
+    ) -> int:
         """Have the agent copy ``keys`` into its DRAM in the background (from NVMe, a peer
-        or S3); poll ``in_dram``. Returns how many copies it started."""
+        or S3); poll ``in_dram``. With ``wait_s``, the reply comes once they have landed
+        (or their copies failed), at most ``wait_s`` later. Returns how many copies it
+        started."""
         if not keys:
             return 0
-        r = self._retry(lambda: self._call(Prefetch(list(keys), fingerprint)))  # fmt: skip
-        return int(r["started"])
+        req = Prefetch(list(keys), fingerprint, float(wait_s))
+        return int(self._retry(lambda: self._call(req))["started"])
 
     def in_dram(self, keys: Sequence[str]) -> list[bool] | None:
         """Which keys the shared DRAM index holds now, with no round trip to the agent;

@@ -72,11 +72,13 @@ class Present(Request):
 
 @dataclass(frozen=True)
 class Prefetch(Request):
-    """Copy chunks that live below DRAM or on other nodes into DRAM, in the background."""
+    """Copy chunks that live below DRAM or on other nodes into DRAM, in the background;
+    with ``wait_s``, reply once they have landed (or their copies failed), at most then."""
 
     op = "prefetch"
     keys: list[str]
     fp: bytes | None = None
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class _Conn:
 
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+MAX_PREFETCH_WAIT_S = 5.0  # the longest a prefetch request waits for its chunks to land
 
 
 def peer_uid(sock: Any) -> int | None:
@@ -233,7 +234,13 @@ class LocalServer(AgentState):
 
     async def _prefetch(self, conn: _Conn, req: Prefetch) -> dict[str, Any]:
         _check_keys("prefetch", req.keys)
-        return {"started": await self.store.prefetch(req.keys, req.fp)}
+        started = await self.store.prefetch(req.keys, req.fp)
+        if req.wait_s > 0:  # bounded: a client's request must not hold its connection long
+            landed = await self.store.wait_prefetched(
+                req.keys, min(req.wait_s, MAX_PREFETCH_WAIT_S)
+            )
+            return {"started": started, "landed": landed}
+        return {"started": started}
 
     async def _locate(self, conn: _Conn, req: Locate) -> dict[str, Any]:
         _check_keys("locate", req.keys)

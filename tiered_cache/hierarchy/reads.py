@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from tiered_cache import codec
 from tiered_cache.api import NODE_TIERS
-from tiered_cache.directory import Directory
+from tiered_cache.directory import Directory, Location
 from tiered_cache.estimates import SourceEstimator
 from tiered_cache.events import StoreEvents
 from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot
@@ -36,6 +36,7 @@ class ReadsMixin:
     mac_key: bytes | None
     _typical_bytes: int
     _missed: dict[str, float]
+    _located: dict[str, list[Location]]  # directory answers a prefetch got for its batch
 
     if TYPE_CHECKING:  # defined by TieredStore and RemoteMixin
 
@@ -172,7 +173,10 @@ class ReadsMixin:
         if self.peer_fetch is not None and self.directory is not None:
             best_local = min((self.estimates.expected_s(h, size) for h in held), default=None)
             if best_local is None or self._best_peer_s(size) < best_local:
-                (locs,) = await self.directory.locate([key])
+                # A prefetch asked the directory for its whole batch at once.
+                locs = self._located.pop(key, None)
+                if locs is None:
+                    (locs,) = await self.directory.locate([key])
                 for loc in locs:
                     p = f"peer:{loc.node_id}"
                     # A peer serves from all its tiers: list it once.

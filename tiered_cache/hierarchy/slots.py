@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from policies import EntryInfo
 from tiered_cache import codec
+from tiered_cache.directory import Directory, Location
 from tiered_cache.events import StoreEvents
 from tiered_cache.hierarchy.background import CopyBudget
 from tiered_cache.hierarchy.types import Hit, TierSlot, header_tenant
@@ -38,9 +39,12 @@ class SlotsMixin:
     _fetch_sem: asyncio.Semaphore
     _info: dict[str, EntryInfo]
     _prefetching: set[str]
+    _located: dict[str, list[Location]]
+    _landed: asyncio.Event
     _missed: dict[str, float]
     background: CopyBudget
     tenants: TenantBook
+    directory: Directory | None
 
     mac_key: bytes | None
 
@@ -264,15 +268,24 @@ class SlotsMixin:
         if self._pool is None:
             return 0
         top = self.slots[0]
-        started = 0
-        for key in keys:
-            if key in self._prefetching or top.tier.size_of(key) is not None:
-                continue
-            self._prefetching.add(key)
+        todo = [k for k in dict.fromkeys(keys)
+                if k not in self._prefetching and top.tier.size_of(k) is None]  # fmt: skip
+        if not todo:
+            return 0
+        self._prefetching.update(todo)
+        if self.directory is not None:
+            # One directory round trip for the whole batch: each copy's read plan would
+            # otherwise ask for its key on its own (nine chunks: nine round trips, each
+            # queued behind the others on the agent's loop before any byte moves).
+            try:
+                for key, locs in zip(todo, await self.directory.locate(todo), strict=True):
+                    self._located[key] = locs
+            except Exception as e:  # each read plan asks again
+                log.debug("prefetch: batch locate failed: %s", e)
+        for key in todo:
             # Not behind write-through copies to a slow S3: a reader is waiting for these.
             self._spawn(self._prefetch_one(key, expect_fp), self._fetch_sem)
-            started += 1
-        return started
+        return len(todo)
 
     async def _prefetch_one(self, key: str, expect_fp: bytes | None) -> None:
         try:
@@ -288,3 +301,22 @@ class SlotsMixin:
                 self._missed[key] = time.monotonic() + MISSED_S
         finally:
             self._prefetching.discard(key)
+            self._located.pop(key, None)
+            # Wake every ``wait_prefetched``: each checks its own keys.
+            landed, self._landed = self._landed, asyncio.Event()
+            landed.set()
+
+    async def wait_prefetched(self, keys: Sequence[str], timeout: float) -> bool:
+        """Wait until none of ``keys`` is still being copied into DRAM (each landed, or its
+        copy failed), at most ``timeout`` seconds; whether DRAM holds them all. Wakes
+        when a copy ends, not on a poll: a reader loads as soon as its chunks land."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(k in self._prefetching for k in keys):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._landed.wait(), left)
+        top = self.slots[0]
+        return all(top.tier.size_of(k) is not None for k in keys)

@@ -107,6 +107,8 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         self._info: dict[str, EntryInfo] = {}
         self._dropped_logged: set[str] = set()
         self._prefetching: set[str] = set()  # keys being copied into DRAM
+        self._located = {}  # directory answers a prefetch got for its batch (see prefetch)
+        self._landed = asyncio.Event()  # set (and replaced) whenever a prefetch ends
         self._missed: dict[str, float] = {}  # key -> until when no remote copy is offered
         self._peer_breakers: dict[str, Breaker] = {}  # node -> its breaker (remote.py)
         self._peer_probes: set[asyncio.Task[None]] = set()
