@@ -104,6 +104,10 @@ class SchedulerSide(ConnectorBase):
         self._planned: dict[str, set[int]] = {}  # req -> blocks its load writes
         self._no_reload: set[str] = set()  # reqs whose load failed
         self._looked_up: set[str] = set()  # reqs counted in the lookups metric
+        # Whether the last step ran no tokens (the engine only polls waiting requests), and
+        # whether this step already held the scheduler for arriving chunks (once a step).
+        self._idle = False
+        self._held = False
 
         policy = getattr(args.ktc, "kv_load_failure_policy", "recompute")
         if self._load_enabled and policy != "recompute":
@@ -262,6 +266,10 @@ class SchedulerSide(ConnectorBase):
                 if arrived:
                     sources[i] = "dram"
             late = [i for i in remote if sources[i] not in NODE_TIERS]
+            if late and self._idle and not self._held:
+                self._held = True
+                late = self._await_landing(w, keys, sources, late, now)
+                now = time.monotonic()
             if late:
                 assert w.fetch_t0 is not None
                 if now - w.fetch_t0 < w.fetch_budget:
@@ -292,6 +300,26 @@ class SchedulerSide(ConnectorBase):
             num_computed_tokens, sources[:k], origins, hit_end, is_async, partial
         )
         return ext, is_async
+
+    def _await_landing(
+        self, w: _Wait, keys: Sequence[str], sources: list[str], late: list[int], now: float
+    ) -> list[int]:
+        """With nothing else to run, the engine would only spin on this request (a step a
+        millisecond, each asking again; on a small host that CPU is what the agent needs to
+        pull the chunks). Instead hold the scheduler until the late chunks land, at most a
+        poll interval (a new request waits that long at most) and the fetch's budget:
+        the agent answers when its copies end, so the load starts at once. Returns the
+        chunks still late."""
+        assert w.fetch_t0 is not None
+        wait = min(self._poll_s, w.fetch_budget - (now - w.fetch_t0))
+        if wait <= 0:
+            return late
+        ask = [keys[i] for i in late]
+        self._guarded("prefetch", lambda st: st.prefetch(ask, self._fp.digest, wait), 0)
+        for i, arrived in zip(late, self._in_dram(ask), strict=True):
+            if arrived:
+                sources[i] = "dram"
+        return [i for i in late if sources[i] not in NODE_TIERS]
 
     def _probe_partial(
         self, prompt: Sequence[int], salt: str | None, w: _Wait, span: ChunkSpan
@@ -464,6 +492,8 @@ class SchedulerSide(ConnectorBase):
             loads=self._pending_loads, step_tokens=scheduler_output.total_num_scheduled_tokens
         )
         self._pending_loads = []
+        self._idle = scheduler_output.total_num_scheduled_tokens == 0
+        self._held = False
         if not self._save_enabled or not self._reqs:
             return meta
         sched = scheduler_output.num_scheduled_tokens

@@ -1048,6 +1048,8 @@ class RemoteStore(MemoryChunkStore):
         self.tiers = ["dram"]
         self.landed = False
         self.asked: list[str] = []
+        self.waits: list[float] = []
+        self.land_on_wait = False
 
     def lookup_priced(
         self, keys: list[str], nbytes: int = 0  # type: ignore[override]
@@ -1055,8 +1057,11 @@ class RemoteStore(MemoryChunkStore):
         found = self.lookup(keys)
         return ["dram" if self.landed else "peer"] * len(found), [0.002] * len(found)
 
-    def prefetch(self, keys: Any, fingerprint: bytes | None = None) -> int:
+    def prefetch(self, keys: Any, fingerprint: bytes | None = None, wait_s: float = 0.0) -> int:
         self.asked += list(keys)
+        if wait_s > 0:  # the agent answers once the copies end: the test's ``land_on_wait``
+            self.waits.append(wait_s)
+            self.landed = self.landed or self.land_on_wait
         return len(keys)
 
     def in_dram(self, keys: Any) -> list[bool] | None:
@@ -1096,3 +1101,29 @@ def test_a_slow_peer_pull_is_waited_for_only_under_fetch_policy_always(
     assert got == (None, False)  # still waiting, within the cap
     remote.landed = True
     assert d.sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, False)
+
+
+def test_an_idle_engine_holds_the_scheduler_until_prefetched_chunks_land(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the engine runs nothing else, a request whose chunks are being pulled from a
+    peer holds the scheduler in one prefetch call that the agent answers when they land
+    (at most a poll interval), and loads in that same call: no step-a-millisecond spin
+    for the agent's CPU, no poll between landing and loading. A busy engine never waits."""
+    prefill(vllm_mod, store)
+    remote = RemoteStore(store._data)
+    import tiered_cache.client as client
+
+    monkeypatch.setattr(client, "open_store", lambda extra: remote)
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, lookup_poll_s=0.05)
+    req = FakeRequest("d1", PROMPT)
+    d.sched.on_new_request(req)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # prefetch started
+    remote.land_on_wait = True
+    other = FakeRequest("o1", [7] * 40)
+    d.step(sched_output([(other, [40, 41, 42], 0, 40)]))  # the engine is busy: no wait
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert remote.waits == []
+    d.step(sched_output([]))  # a step that ran nothing: the engine only polls
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, False)
+    assert len(remote.waits) == 1 and 0 < remote.waits[0] <= 0.05
