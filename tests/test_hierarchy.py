@@ -511,4 +511,5 @@ async def test_a_prefetch_asks_the_directory_once_and_its_waiter_wakes_when_chun
         assert await store.prefetch([key(3)], FP) == 1
         assert await asyncio.wait_for(store.wait_prefetched([key(3)], 60.0), 10.0) is False
     finally:
+        gate.set()  # a failed assertion must not leave close() waiting on held copies
         await store.close()
