@@ -21,6 +21,7 @@ SAMPLE: dict[type, typing.Any] = {
     list[int]: [3],
     list[list[typing.Any]]: [["k", 1, 2]],
     int: 7,
+    float: 1.5,
     bool: True,
     str: "x",
     bytes: b"\x01",
@@ -64,6 +65,17 @@ def test_every_request_round_trips(cls: type[p.Request]) -> None:
 def test_bad_requests_name_what_is_wrong(msg: dict[str, typing.Any], says: str) -> None:
     with pytest.raises(p.ProtocolError, match=re.escape(says)):
         p.decode(msg)
+
+
+def test_a_newer_client_talks_to_an_older_agent_until_it_uses_a_newer_field() -> None:
+    """Fields added since (prefetch's wait_s, stats' tenant) stay out of the frame at their
+    default, so an agent that does not know them still accepts it."""
+    keys = ["a" * 32]
+    assert "wait_s" not in p.encode(p.Prefetch(keys))
+    assert p.encode(p.Prefetch(keys, None, 1.5))["wait_s"] == 1.5
+    assert "tenant" not in p.encode(p.Stats())
+    old = {f.name for f in dataclasses.fields(p.Prefetch)} - {"wait_s"}  # an older agent's
+    assert set(p.encode(p.Prefetch(keys))) - {"op", "v"} <= old
 
 
 def test_request_builds_the_typed_message_by_name() -> None:

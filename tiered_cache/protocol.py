@@ -253,8 +253,16 @@ REQUESTS: dict[str, type[Request]] = {
 
 
 def encode(req: Request) -> dict[str, Any]:
-    """The frame's map for ``req``."""
-    msg = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
+    """The frame's map for ``req``. Optional fields at their default are left out (decode
+    fills them in), so a client that knows a newer field still talks to an older agent
+    as long as it does not use it (a rolling upgrade)."""
+    msg = {
+        f.name: getattr(req, f.name)
+        for f in dataclasses.fields(req)
+        if f.default is dataclasses.MISSING
+        or f.default_factory is not dataclasses.MISSING
+        or getattr(req, f.name) != f.default
+    }
     msg["op"], msg["v"] = req.op, VERSION
     if req.noreply:
         msg["noreply"] = True
