@@ -11,53 +11,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
-from aiohttp import web
+from helpers_router import FakeVllm, serve
 
 from tiered_cache.router import Router
-
-
-@dataclass
-class FakeVllm:
-    """Records each completion request; answers the prefill stage with our
-    connector's ``kv_transfer_params``."""
-
-    name: str
-    cache_down: bool = False
-    seen: list[dict[str, Any]] = field(default_factory=list)
-    url: str = ""
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_post("/v1/completions", self.completions)
-        return app
-
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def completions(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.seen.append(body)
-        resp: dict[str, Any] = {"choices": [{"text": f"from {self.name}"}]}
-        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-            saved = 0 if self.cache_down else 2
-            tc = {"chunks": saved, "keys": [], "unavailable": self.cache_down}
-            resp["kv_transfer_params"] = {"tiered_cache": tc}
-        return web.json_response(resp)
-
-    def stages(self) -> list[str]:
-        """'prefill' (split off), 'decode' (after a handoff) or 'whole', per request."""
-        out = []
-        for b in self.seen:
-            kv = b.get("kv_transfer_params") or {}
-            out.append("prefill" if kv.get("do_remote_decode")
-                       else "decode" if kv else "whole")  # fmt: skip
-        return out
 
 
 class Clock:
@@ -66,15 +26,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
 
 
 @dataclass
@@ -98,11 +49,11 @@ async def rig() -> AsyncIterator[Rig]:
     p, d = FakeVllm("prefill"), FakeVllm("decode")
     runners = []
     for srv in (p, d):
-        runner, srv.url = await _serve(srv.app())
+        runner, srv.url = await serve(srv.app())
         runners.append(runner)
     clock = Clock()
     router = Router([p.url], [d.url], handoff_retry_s=5.0, clock=clock)
-    runner, url = await _serve(router.app())
+    runner, url = await serve(router.app())
     runners.append(runner)
     async with aiohttp.ClientSession() as http:
         yield Rig(p, d, router, clock, url, http)

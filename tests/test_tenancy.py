@@ -16,15 +16,15 @@ import json
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from click.testing import CliRunner
 from helpers_agent import FP, N, meta, payload, socket_of, start_agent, write_cfg
+from helpers_router import FakeVllm, serve
 
 from tiered_cache import codec
 from tiered_cache.cli import main
@@ -248,43 +248,13 @@ def test_router_tenants_config_refuses_placeholders(monkeypatch: pytest.MonkeyPa
 # ---------------------------------------------------------------- router
 
 
-@dataclass
-class FakeVllm:
-    """Records each completion request; the prefill stage answers with the connector's
-    fingerprint, from which the router learns to compute chunk keys."""
+class FingerprintVllm(FakeVllm):
+    """The prefill stage answers with the connector's fingerprint, from which the router
+    learns to compute chunk keys."""
 
-    name: str
-    seen: list[dict[str, Any]] = field(default_factory=list)
-    headers: list[dict[str, str]] = field(default_factory=list)
-    url: str = ""
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_post("/v1/completions", self.completions)
-        return app
-
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def completions(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.seen.append(body)
-        self.headers.append(dict(request.headers))
-        resp: dict[str, Any] = {"choices": [{"text": f"from {self.name}"}]}
-        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-            fp = {k: getattr(FP, k) for k in FINGERPRINT_FIELDS}
-            resp["kv_transfer_params"] = {"tc_fingerprint": fp, "tiered_cache": {"keys": []}}
-        return web.json_response(resp)
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    def prefill_params(self, body: dict[str, Any]) -> dict[str, Any]:
+        fp = {k: getattr(FP, k) for k in FINGERPRINT_FIELDS}
+        return {"tc_fingerprint": fp, "tiered_cache": {"keys": []}}
 
 
 @dataclass
@@ -308,16 +278,16 @@ class Rig:
 
 
 async def _rig(cfg: Path, tenants: list[TenantSpec]) -> AsyncIterator[Rig]:
-    p, d = FakeVllm("prefill"), FakeVllm("decode")
+    p, d = FingerprintVllm("prefill"), FingerprintVllm("decode")
     runners = []
     for srv in (p, d):
-        runner, srv.url = await _serve(srv.app())
+        runner, srv.url = await serve(srv.app())
         runners.append(runner)
     cache = AgentClient(socket_of(cfg), attach_pool=False)
     # Without tenants, the router is built as before tenancy existed.
     extra: dict[str, Any] = {"tenants": tenants} if tenants else {}
     router = Router([p.url], [d.url], cache=cache, **extra)
-    runner, url = await _serve(router.app())
+    runner, url = await serve(router.app())
     runners.append(runner)
     try:
         async with aiohttp.ClientSession() as http:

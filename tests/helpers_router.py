@@ -1,0 +1,62 @@
+"""A stand-in vLLM server for router tests: records what the router sends it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class FakeVllm:
+    """Records each completion request (body and headers); answers the prefill stage with
+    ``prefill_params(body)`` as its ``kv_transfer_params``: by default what our connector
+    reports (chunks saved, or the cache unavailable)."""
+
+    name: str
+    cache_down: bool = False
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    url: str = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    def prefill_params(self, body: dict[str, Any]) -> dict[str, Any]:
+        saved = 0 if self.cache_down else 2
+        return {"tiered_cache": {"chunks": saved, "keys": [], "unavailable": self.cache_down}}
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append(body)
+        self.headers.append(dict(request.headers))
+        resp: dict[str, Any] = {"choices": [{"text": f"from {self.name}"}]}
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            resp["kv_transfer_params"] = self.prefill_params(body)
+        return web.json_response(resp)
+
+    def stages(self) -> list[str]:
+        """'prefill' (split off), 'decode' (after a handoff) or 'whole', per request."""
+        out = []
+        for b in self.seen:
+            kv = b.get("kv_transfer_params") or {}
+            out.append("prefill" if kv.get("do_remote_decode")
+                       else "decode" if kv else "whole")  # fmt: skip
+        return out
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Run ``app`` on a free loopback port; (runner, base URL)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
