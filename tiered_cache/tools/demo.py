@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     t0 = time.monotonic()
-    model = REPO / ".models" / "demo-bf16"
+    model = REPO / ".models" / "bench-bf16"
     say(
-        f"[1/6] small random-weight Llama (8 layers, hidden 512, bf16: a prefill costs "
+        f"[1/6] small random-weight Llama (12 layers, hidden 1024, bf16: a prefill costs "
         f"this CPU a noticeable fraction of a second) + tokenizer, offline -> {model}"
     )
     subprocess.run(
@@ -192,7 +192,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
             "--out",
             str(model),
             "--preset",
-            "demo",
+            "bench",
         ],
         check=True,
         env=server_env(),
