@@ -228,9 +228,10 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
         "node_id": node,
         "chunk_size": 256,
         "redis_url": redis_url,
-        # Small DRAM on purpose (a chunk is 2 MiB): older prefixes get written back to
-        # NVMe, so the table shows hits from more than one tier.
-        "dram": {"capacity": "48MiB"},
+        # Small DRAM on purpose (a chunk is 3 MiB): older prefixes get written back to
+        # NVMe, so the table shows hits from more than one tier. Each run starts afresh,
+        # so the pool is dropped on stop (an agent keeps it by default, for warm restarts).
+        "dram": {"capacity": "48MiB", "keep_on_stop": False},
         "nvme": {
             "enabled": True,
             "path": str(work / "nvme"),
