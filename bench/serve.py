@@ -253,6 +253,8 @@ class Bench:
                      "admission": "frequency", "admission_k": 2},
             "agent": {"socket": str(self.work / f"{name}.sock")},
         }  # fmt: skip
+        if self.a.max_local_prefill_tokens is not None:  # read by the P/D router
+            cfg["router"] = {"max_local_prefill_tokens": self.a.max_local_prefill_tokens}
         path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         proc = spawn([sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(path)],
@@ -435,6 +437,9 @@ def main() -> None:
                     help="JSON merged into our connector's kv_connector_extra_config")
     ap.add_argument("--pd-cores", choices=("split", "shared"), default="split",
                     help="P/D: a core per server (split) or both servers on every core")
+    ap.add_argument("--max-local-prefill-tokens", type=int, default=None,
+                    help="P/D router: at most this many uncached tokens let a prompt skip "
+                    "prefill (default: fewer than a chunk; 0: every prompt is prefilled)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "serve")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()

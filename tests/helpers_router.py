@@ -52,6 +52,19 @@ class FakeVllm:
         return out
 
 
+class FingerprintVllm(FakeVllm):
+    """The prefill stage answers with the connector's fingerprint (``helpers_agent.FP``),
+    from which the router learns to compute chunk keys."""
+
+    def prefill_params(self, body: dict[str, Any]) -> dict[str, Any]:
+        from helpers_agent import FP
+
+        from tiered_cache.router import FINGERPRINT_FIELDS
+
+        fp = {k: getattr(FP, k) for k in FINGERPRINT_FIELDS}
+        return {"tc_fingerprint": fp, "tiered_cache": {"keys": []}}
+
+
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     """Run ``app`` on a free loopback port; (runner, base URL)."""
     runner = web.AppRunner(app)

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 from helpers_agent import FP, N, meta, payload, socket_of, start_agent, write_cfg
-from helpers_router import FakeVllm, serve
+from helpers_router import FakeVllm, FingerprintVllm, serve
 
 from tiered_cache import codec
 from tiered_cache.cli import main
@@ -32,7 +32,7 @@ from tiered_cache.client import AgentClient
 from tiered_cache.config import ConfigError, load_config
 from tiered_cache.directory import Pin
 from tiered_cache.keys import chunk_keys
-from tiered_cache.router import FINGERPRINT_FIELDS, Router
+from tiered_cache.router import Router
 from tiered_cache.tenancy import TenantSpec, tenant_of_salt, tenant_salt
 
 ACME_KEY, ACME_SALT = "acme-key-0123456789abcdef", "acme-salt-0123456789abcdef"
@@ -246,15 +246,6 @@ def test_router_tenants_config_refuses_placeholders(monkeypatch: pytest.MonkeyPa
 
 
 # ---------------------------------------------------------------- router
-
-
-class FingerprintVllm(FakeVllm):
-    """The prefill stage answers with the connector's fingerprint, from which the router
-    learns to compute chunk keys."""
-
-    def prefill_params(self, body: dict[str, Any]) -> dict[str, Any]:
-        fp = {k: getattr(FP, k) for k in FINGERPRINT_FIELDS}
-        return {"tc_fingerprint": fp, "tiered_cache": {"keys": []}}
 
 
 @dataclass

@@ -8,8 +8,10 @@ go to the decode request unchanged.
 
 Cache-aware: the router tokenizes the prompt on a decode server (``/tokenize``), computes
 the chunk keys, and asks the cache where they are. If the whole chunk-aligned prompt is
-already loadable it skips prefill; otherwise it picks the prefill server whose node holds
-the longest cached prefix, weighed against its in-flight load.
+loadable but for at most ``max_local_prefill_tokens`` tokens it skips prefill (the decode
+computes those few itself, as Dynamo's conditional disaggregation does); otherwise it picks
+the prefill server whose node holds the longest cached prefix, weighed against its
+in-flight load.
 
 When a prefill server's connector reports its cache unavailable, a handoff would only make
 the decode recompute the prompt: the router stops splitting requests (each goes whole to
@@ -104,6 +106,7 @@ class Router:
         handoff_retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         tenants: Sequence[TenantSpec] = (),
+        max_local_prefill_tokens: int | None = None,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode server")
@@ -111,6 +114,11 @@ class Router:
         self.decode = [Backend(u.rstrip("/"), "decode") for u in decode]
         self.cache = cache  # an AgentClient (lookup + locate), optional
         self.load_weight = load_weight
+        # Tokens a decode may compute itself when every whole chunk before them is cached
+        # (None: any partial tail, i.e. fewer than a chunk).
+        if max_local_prefill_tokens is not None and max_local_prefill_tokens < 0:
+            raise ValueError("max_local_prefill_tokens must be >= 0")
+        self.max_local_prefill_tokens = max_local_prefill_tokens
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.health_interval_s = health_interval_s
         self.fingerprints: dict[str, dict[str, Any]] = {}  # model -> fingerprint params
@@ -241,8 +249,11 @@ class Router:
             return None
         return self._least_loaded(live)
 
-    async def _prompt_keys(self, path: str, body: dict[str, Any]) -> list[str] | None:
-        """Chunk keys of the prompt, when the model's fingerprint is known."""
+    async def _prompt_keys(
+        self, path: str, body: dict[str, Any]
+    ) -> tuple[list[str], int] | None:
+        """Chunk keys of the prompt and the tokens after them (those a decode would
+        compute itself), when the model's fingerprint is known."""
         fpp = self.fingerprints.get(str(body.get("model")))
         if fpp is None or self.cache is None:
             return None
@@ -257,7 +268,7 @@ class Router:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
             # Token ids already: no tokenizing round trip.
-            return chunk_keys(prompt[:-1], fp, cache_salt=body.get("cache_salt"))
+            return self._keys_and_rest(prompt, fp, body)
         dec = next((b for b in self.decode if b.healthy), None)  # any one can tokenize
         if dec is None:
             return None
@@ -278,12 +289,21 @@ class Router:
                 toks = (await r.json())["tokens"]
         except (aiohttp.ClientError, KeyError, asyncio.TimeoutError):
             return None
+        return self._keys_and_rest(toks, fp, body)
+
+    @staticmethod
+    def _keys_and_rest(
+        toks: Sequence[int], fp: ModelFingerprint, body: dict[str, Any]
+    ) -> tuple[list[str], int]:
         # vLLM always computes the last prompt token itself: only whole chunks of the
         # first n-1 tokens can come from the cache.
-        return chunk_keys(toks[:-1], fp, cache_salt=body.get("cache_salt"))
+        keys = chunk_keys(toks[:-1], fp, cache_salt=body.get("cache_salt"))
+        return keys, len(toks) - len(keys) * fp.chunk_size
 
-    async def _choose_prefill(self, keys: list[str] | None) -> tuple[Backend | None, bool]:
-        """(prefill backend, skip_prefill)."""
+    async def _choose_prefill(
+        self, keys: list[str] | None, rest: int = 0
+    ) -> tuple[Backend | None, bool]:
+        """(prefill backend, skip_prefill). ``rest``: prompt tokens after ``keys``."""
         live = [b for b in self.prefill if b.healthy]
         if keys and self.cache is not None and self._cache_guard.allow():
             try:
@@ -295,7 +315,8 @@ class Router:
             except Exception as e:  # the cache is an optimisation for routing
                 log.debug("cache lookup failed: %s", e)
                 sources = []
-            if keys and len(sources) == len(keys):
+            cap = self.max_local_prefill_tokens
+            if keys and len(sources) == len(keys) and (cap is None or rest <= cap):
                 return None, True
             if live and keys:
                 try:
@@ -345,8 +366,9 @@ class Router:
         rid = request.headers.get("X-Request-Id") or f"tc-{time.monotonic_ns():x}"
         if not self._handoff.allow():
             return await self._serve_whole(path, body, rid, request)
-        keys = None if self._cache_guard.blocked else await self._prompt_keys(path, body)
-        pre, skip = await self._choose_prefill(keys)
+        got_keys = None if self._cache_guard.blocked else await self._prompt_keys(path, body)
+        keys, rest = got_keys if got_keys is not None else (None, 0)
+        pre, skip = await self._choose_prefill(keys, rest)
         if skip:
             # Every chunk is in the cache already: nothing is on its way for the decode
             # to wait for.
@@ -543,6 +565,10 @@ def run_router(
     port: int,
     cache: Any | None = None,
     tenants: Sequence[TenantSpec] = (),
+    max_local_prefill_tokens: int | None = None,
 ) -> None:
-    router = Router(prefill, decode, cache=cache, tenants=tenants)
+    router = Router(
+        prefill, decode, cache=cache, tenants=tenants,
+        max_local_prefill_tokens=max_local_prefill_tokens,
+    )
     web.run_app(router.app(), host=host, port=port, print=lambda *_: None)

@@ -79,6 +79,10 @@ class RouterConfig(_Strict):
     # With tenants, every request needs ``Authorization: Bearer <api_key>`` and is served
     # with its tenant's salt; without, requests pass as they are.
     tenants: list[TenantSpec] = Field(default_factory=list)
+    # A prompt whose whole chunks are all cached skips the prefill server when at most
+    # this many tokens are left for the decode to compute (null: fewer than a chunk).
+    # 0 sends every prompt through prefill: decodes never run a prompt of their own.
+    max_local_prefill_tokens: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _unique(self) -> RouterConfig:

@@ -132,6 +132,7 @@ def router(
             raise CliError(f"backend URL must start with http:// or https://: {u!r}")
     cache = None
     tenants = []
+    local_max: int | None = None
     if config:
         from tiered_cache.client import connect
 
@@ -141,7 +142,11 @@ def router(
             names = ", ".join(t.name for t in tenants)
             click.echo(f"tenants: {names} (API keys required)", err=True)
         cache = connect(cfg, embedded="never", attach_pool=False)
-    run_router(prefill, decode, host, port, cache=cache, tenants=tenants)
+        local_max = cfg.router.max_local_prefill_tokens
+    run_router(
+        prefill, decode, host, port, cache=cache, tenants=tenants,
+        max_local_prefill_tokens=local_max,
+    )
 
 
 @click.command()
