@@ -47,8 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiered_cache.tools.vllm_launch import (
     REPO,
     VllmServer,
+    drop_mp_shm,
     free_port,
     kv_transfer_config,
+    mp_shm,
     server_env,
     spawn,
     start_servers,
@@ -176,24 +178,6 @@ def unlink_shm(name: str) -> None:
     LMCache server's ``lmcache_l1_pool_<name>`` (1 GB, left behind when it is killed)."""
     for f in Path("/dev/shm").glob(f"*{name}*"):
         f.unlink(missing_ok=True)
-
-
-# What multiprocessing leaves in /dev/shm when its process is SIGKILLed (vLLM's workers
-# are): shared memory and named semaphores, under random names.
-_MP_SHM = ("psm_*", "sem.mp-*")
-
-
-def mp_shm() -> set[Path]:
-    return {f for pattern in _MP_SHM for f in Path("/dev/shm").glob(pattern)}
-
-
-def mapped_shm() -> set[str]:
-    """The /dev/shm paths some live process maps: another program's, once ours are gone."""
-    out: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            out.update(w for w in maps.read_text().split() if w.startswith("/dev/shm/"))
-    return out
 
 
 def drop_page_cache() -> bool:
@@ -378,10 +362,7 @@ def main() -> None:
         # stopped agents their DRAM pools (GBs over a few runs, until the next run is
         # OOM-killed): every process of ours is gone now. Only our own names: other
         # benches' and tests' pools may be in /dev/shm too.
-        in_use = mapped_shm()
-        for f in mp_shm() - shm_before:
-            if str(f) not in in_use:
-                f.unlink(missing_ok=True)
+        drop_mp_shm(shm_before)
         for name in _SHM_NAMES:
             unlink_shm(name)
         if not a.workdir:

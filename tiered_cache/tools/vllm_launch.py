@@ -109,6 +109,40 @@ def kv_transfer_config(
     return cfg
 
 
+# What multiprocessing leaves in /dev/shm when its process is SIGKILLed (vLLM's workers
+# are): shared-memory message queues (160-240 MiB a server) and named semaphores.
+_MP_SHM = ("psm_*", "sem.mp-*")
+
+
+def mp_shm() -> set[Path]:
+    return {f for pattern in _MP_SHM for f in Path("/dev/shm").glob(pattern)}
+
+
+def mapped_shm() -> set[str]:
+    """The /dev/shm paths some live process maps."""
+    out: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            out.update(w for w in maps.read_text().split() if w.startswith("/dev/shm/"))
+    return out
+
+
+def drop_mp_shm(before: set[Path]) -> int:
+    """Unlink the multiprocessing segments made since ``before`` that no live process
+    maps (another server's, still running, stay); how many."""
+    new = mp_shm() - before
+    if not new:
+        return 0
+    in_use = mapped_shm()
+    gone = 0
+    for f in new:
+        if str(f) not in in_use:
+            with contextlib.suppress(OSError):
+                f.unlink()
+                gone += 1
+    return gone
+
+
 class LoggedProcess:
     """A launched server whose stdout and stderr go to ``log_path``."""
 
@@ -141,6 +175,7 @@ class VllmServer(LoggedProcess):
     startup_s: float = 0.0
     host: str = "127.0.0.1"  # the address it binds and is reached at
     prefix: Sequence[str] = ()  # runs it under another command (``ip netns exec NS``)
+    _shm_before: set[Path] = field(default_factory=set, repr=False)  # see ``stop``
 
     @property
     def url(self) -> str:
@@ -180,6 +215,7 @@ class VllmServer(LoggedProcess):
         return cmd
 
     def start(self) -> VllmServer:
+        self._shm_before = mp_shm()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
@@ -232,6 +268,8 @@ class VllmServer(LoggedProcess):
                 os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+        # Its killed workers leave their segments behind: GBs over a few runs.
+        drop_mp_shm(self._shm_before)
 
     # -- requests
 
