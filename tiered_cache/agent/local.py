@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -96,8 +97,11 @@ Handler = Callable[[_Conn, Any], Awaitable[dict[str, Any]]]
 
 
 class LocalServer(AgentState):
-    # Lines about what clients sent: one per kind a minute (a client repeats at will).
-    _client_log = LogThrottle(log)
+    @functools.cached_property
+    def _client_log(self) -> LogThrottle:
+        """Lines about what clients sent: one per kind a minute (a client repeats at
+        will). This agent's own windows: another agent in the process keeps its own."""
+        return LogThrottle(log)
 
     async def _serve_local(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         conn = _Conn()
