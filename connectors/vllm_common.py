@@ -321,6 +321,10 @@ class ConnectorBase:
         self._block_size = self._id.block_size
         self._tp_world = self._fp.tp_world_size
         self._tp_rank = tp_rank
+        # Whole chunks saved also name their block-aligned prefixes (the agent's aliases:
+        # a prompt diverging inside a chunk loads its shared blocks). Off with TP > 1:
+        # other ranks compute their keys from the tokens, which give no alias.
+        self._aliases = _as_bool(self._extra.get("block_aliases", True)) and self._tp_world == 1
         self._logged: set[str] = set()
         self._store: SlotStore | None = None
         self._store_lock = threading.Lock()

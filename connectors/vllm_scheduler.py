@@ -53,8 +53,9 @@ class _Match:
     origins: list[str]  # where each chunk came from (a prefetched peer chunk: "peer")
     hit_end: int
     is_async: bool  # decided once, from the chunks that will be loaded
-    # The last chunk is an earlier prompt's partial chunk: (index, tokens, key).
-    partial: tuple[int, int, str] | None = None
+    # The last chunk is an earlier prompt's partial chunk, or the first blocks of one of
+    # its whole chunks: (index, tokens, key, tokens the stored chunk holds).
+    partial: tuple[int, int, str, int] | None = None
 
 
 @dataclass
@@ -74,8 +75,9 @@ class _Wait:
     origin: dict[int, str] = field(default_factory=dict)  # chunk -> remote source seen
     requested: set[int] = field(default_factory=set)  # chunks asked to be prefetched
     probed: bool = False  # looked for an earlier prompt's partial chunk
-    # That chunk, when found: (index, tokens, key, source, expected load seconds).
-    partial: tuple[int, int, str, str, float] | None = None
+    # That chunk, when found: (index, tokens, key, source, expected load seconds, tokens
+    # the stored chunk holds: more than ``tokens`` for a whole chunk's first blocks).
+    partial: tuple[int, int, str, str, float, int] | None = None
 
 
 @dataclass
@@ -224,7 +226,7 @@ class SchedulerSide(ConnectorBase):
             w.partial = self._probe_partial(prompt, self._salt(request), w, spans[hit])
         keys = list(w.keys)
         if w.partial is not None and hit == w.partial[0]:
-            idx, ptok, pkey, psrc, pcost = w.partial
+            idx, ptok, pkey, psrc, pcost, _ = w.partial
             spans = [*spans[:hit], ChunkSpan(idx, spans[idx].start, spans[idx].start + ptok,
                                              self._block_size)]  # fmt: skip
             keys[idx] = pkey
@@ -295,7 +297,7 @@ class SchedulerSide(ConnectorBase):
         origins = [w.origin.get(i, sources[i]) for i in range(k)]
         partial = None
         if w.partial is not None and k == w.partial[0] + 1:
-            partial = (w.partial[0], w.partial[1], w.partial[2])
+            partial = (w.partial[0], w.partial[1], w.partial[2], w.partial[5])
         self._matches[rid] = _Match(
             num_computed_tokens, sources[:k], origins, hit_end, is_async, partial
         )
@@ -323,9 +325,10 @@ class SchedulerSide(ConnectorBase):
 
     def _probe_partial(
         self, prompt: Sequence[int], salt: str | None, w: _Wait, span: ChunkSpan
-    ) -> tuple[int, int, str, str, float] | None:
+    ) -> tuple[int, int, str, str, float, int] | None:
         """The longest block-aligned partial chunk at ``span`` that an earlier prompt
-        saved and this prompt shares (one round trip for every candidate length)."""
+        saved and this prompt shares, or the first blocks of an earlier prompt's whole
+        chunk there (its aliases): one round trip for every candidate length."""
         bs = self._block_size
         lengths = list(range(((span.num_tokens - 1) // bs) * bs, 0, -bs))
         if not lengths:
@@ -334,14 +337,16 @@ class SchedulerSide(ConnectorBase):
         cands = tc_keys.partial_keys(prompt, self._fp, salt, parent, span.start, lengths)
         nbytes = self._chunk_bytes * lengths[0] // self._chunk_size
 
-        def probe(st: SlotStore) -> list[tuple[str, float] | None]:
+        def probe(st: SlotStore) -> list[tuple[str, float, str] | None]:
             return st.present(cands, nbytes)
 
-        none: list[tuple[str, float] | None] = []
+        none: list[tuple[str, float, str] | None] = []
         for n_tok, key, found in zip(lengths, cands, self._guarded("lookup", probe, none),
                                      strict=False):  # fmt: skip
             if found is not None:
-                return span.index, n_tok, key, found[0], found[1]
+                src, cost, load_key = found
+                whole = n_tok if load_key == key else self._chunk_size
+                return span.index, n_tok, load_key, src, cost, whole
         return None
 
     def _prefetch_remote(self) -> bool:
@@ -400,11 +405,14 @@ class SchedulerSide(ConnectorBase):
         end = start + num_external_tokens
         n_hit = len(m.sources)
         spans, keys = st.spans[:n_hit], st.keys[:n_hit]
+        stored: dict[int, int] = {}  # index -> tokens its stored chunk holds, where more
         if m.partial is not None:  # the last one is an earlier prompt's partial chunk
-            idx, ptok, pkey = m.partial
+            idx, ptok, pkey, whole = m.partial
             spans[idx] = ChunkSpan(idx, spans[idx].start, spans[idx].start + ptok,
                                    self._block_size)  # fmt: skip
             keys[idx] = pkey
+            if whole > ptok:  # the first blocks of a whole chunk: the worker reads those
+                stored[idx] = whole
         ranges = load_block_ranges(spans, start, end)
         chunks: list[LoadChunk] = []
         by_source: dict[str, int] = {}
@@ -412,12 +420,13 @@ class SchedulerSide(ConnectorBase):
             s = r.span
             src, origin = m.sources[s.index], m.origins[s.index]
             ntok = max(0, min(s.end, end) - max(s.start, start))
+            whole = stored.get(s.index, s.num_tokens)
             chunks.append(
                 LoadChunk(
                     index=s.index,
                     key=keys[s.index],
-                    num_tokens=s.num_tokens,
-                    n_blocks=s.num_blocks,
+                    num_tokens=whole,
+                    n_blocks=-(-whole // self._block_size),
                     lo=r.lo - s.first_block,
                     block_ids=st.block_ids[r.lo : r.hi],
                     source=src,
@@ -524,6 +533,7 @@ class SchedulerSide(ConnectorBase):
     def _plan_saves(self, st: _ReqState, computed: int, meta: TieredCacheConnectorMetadata) -> None:
         n = len(st.prompt)
         added = False
+        whole: list[tuple[str, str | None, int]] = []  # (key, parent, start) for aliases
         while st.next_save < len(st.spans):
             s = st.spans[st.next_save]
             if s.end > min(computed, n) or s.end_block > len(st.block_ids):
@@ -550,10 +560,28 @@ class SchedulerSide(ConnectorBase):
                     st.block_ids[s.first_block : s.first_block + n_al // self._block_size],
                     parent, aligned=True, tenant=tenant,
                 ))  # fmt: skip
+            if s.num_tokens == self._chunk_size:
+                whole.append((st.keys[s.index], parent, s.start))
             st.next_save += 1
             added = True
         if added and self._tp_world > 1:
             meta.save_tokens[st.req_id] = (st.prompt, st.salt)
+        if whole and self._aliases:
+            self._register_aliases(st, whole)
+
+    def _register_aliases(self, st: _ReqState, whole: list[tuple[str, str | None, int]]) -> None:
+        """Name the block-aligned prefixes of the whole chunks this step saves (the agent's
+        ``aliases``): a prompt that shares only their first blocks loads those instead of
+        recomputing them. Registered as the save is planned; an alias of a chunk that
+        never lands is a miss."""
+        bs = self._block_size
+        lengths = list(range(bs, self._chunk_size, bs))
+        aliases = [
+            tc_keys.partial_keys(st.prompt, self._fp, st.salt, parent, start, lengths)
+            for _, parent, start in whole
+        ]
+        targets = [k for k, _, _ in whole]
+        self._guarded("alias", lambda s: s.alias(targets, aliases), None)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -1038,6 +1038,46 @@ def test_a_longer_prompt_loads_the_block_aligned_tail_of_an_earlier_one(
                                                                          (2, 48, True)]
 
 
+@pytest.mark.parametrize("aliases", [True, False], ids=["aliases", "off"])
+def test_a_prompt_diverging_inside_a_chunk_loads_its_shared_blocks(
+    vllm_mod: Any, agent_store: dict[str, Any], aliases: bool
+) -> None:
+    """Two prompts over one system prompt that diverge inside a chunk: the whole chunk
+    the first saved has another key than the second's, but the first also named its
+    block-aligned prefixes (the agent's aliases), so the second loads the shared blocks
+    of that chunk, as vLLM's own per-block prefix cache would, instead of recomputing
+    them (with ``block_aliases: false``, as before: whole chunks only)."""
+    p = agent_node(vllm_mod, "kv_both", 1, agent_store, block_aliases=aliases)
+    req = FakeRequest("p1", PROMPT)  # 150 tokens: chunks of 64, 64 and a 22-token tail
+    p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    p.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+    p.sched.request_finished(req, P_BLOCKS)
+    # Shares chunk 0 and the first 40 tokens (2 whole blocks and 8 tokens) of chunk 1.
+    other = [*PROMPT[:104], *range(700, 760)]
+    d = agent_node(vllm_mod, "kv_both", 2, agent_store, zero=True)
+    dreq = FakeRequest("d1", other)
+    want = 64 + 32 if aliases else 64
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (want, False)
+    blocks = [*D_BLOCKS, 50]  # 11 blocks: 164 tokens
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(blocks), want)
+    load = d.step(sched_output([])).loads[0]
+    shared = want // BS
+    if aliases:
+        # Chunk 1 is the first saved prompt's whole chunk, of which 2 blocks are loaded.
+        assert [(c.index, c.key, c.num_tokens, len(c.block_ids)) for c in load.chunks] == [
+            (0, load.chunks[0].key, 64, 4),
+            (1, p.sched.scheduler._req_keys(PROMPT, None)[1], 64, 2),
+        ]
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    for li in range(LAYERS):
+        assert torch.equal(d.layers[li][D_BLOCKS[:shared]], p.layers[li][P_BLOCKS[:shared]])
+        # Nothing past the shared blocks was written (a zeroed node's blocks stay zero).
+        assert not d.layers[li][D_BLOCKS[shared:]].any()
+    # Chunk 1 of the diverging prompt is its own: saved once computed.
+    meta = d.step(sched_output([(dreq, blocks, want, len(other) - want)]))
+    assert [s.index for s in meta.saves if not s.aligned][:2] == [1, 2]
+
+
 class RemoteStore(MemoryChunkStore):
     """What a node's agent answers for chunks a peer holds: found on ``peer``, copied
     into DRAM by ``prefetch`` once the test lands them (``landed``)."""

@@ -20,6 +20,7 @@ SAMPLE: dict[type, typing.Any] = {
     list[str]: ["00" * 16],
     list[int]: [3],
     list[list[typing.Any]]: [["k", 1, 2]],
+    list[list[str]]: [["00" * 16]],
     int: 7,
     float: 1.5,
     bool: True,

@@ -102,8 +102,15 @@ class SlotStore(ChunkStore, Protocol):
         """``lookup``, with the expected seconds to load each chunk from its source."""
         ...
 
-    def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float] | None]:
-        """Each key on its own (no prefix rule): (source, expected seconds) or None."""
+    def present(
+        self, keys: Sequence[str], nbytes: int = 0
+    ) -> list[tuple[str, float, str] | None]:
+        """Each key on its own (no prefix rule): (source, expected seconds, the key to
+        load: the key itself, or the whole chunk an alias names a prefix of) or None."""
+        ...
+
+    def alias(self, targets: Sequence[str], aliases: Sequence[Sequence[str]]) -> None:
+        """Register ``aliases[i]`` as keys of prefixes of chunk ``targets[i]``."""
         ...
 
     def prefetch(
@@ -152,6 +159,7 @@ class MemoryChunkStore:
 
         self._codec = codec
         self._data: dict[str, bytes] = {}
+        self._aliases: dict[str, str] = {}
         self.tiers: list[str] = []
 
     def lookup(self, keys: Sequence[str]) -> list[str]:
@@ -201,8 +209,18 @@ class MemoryChunkStore:
         found = self.lookup(keys)
         return found, [0.0] * len(found)
 
-    def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float] | None]:
-        return [("dram", 0.0) if k in self._data else None for k in keys]
+    def present(
+        self, keys: Sequence[str], nbytes: int = 0
+    ) -> list[tuple[str, float, str] | None]:
+        out: list[tuple[str, float, str] | None] = []
+        for k in keys:
+            t = k if k in self._data else self._aliases.get(k)
+            out.append(("dram", 0.0, t) if t is not None and t in self._data else None)
+        return out
+
+    def alias(self, targets: Sequence[str], aliases: Sequence[Sequence[str]]) -> None:
+        for t, names in zip(targets, aliases, strict=True):
+            self._aliases.update(dict.fromkeys(names, t))
 
     def prefetch(
         self, keys: Sequence[str], fingerprint: bytes | None = None, wait_s: float = 0.0

@@ -29,6 +29,7 @@ from tiered_cache.config import CacheConfig, load_config
 from tiered_cache.ipc import ConnectionLost, IPCError, call_sync, send_only
 from tiered_cache.protocol import (
     Abort,
+    Alias,
     Commit,
     Get,
     Hello,
@@ -268,12 +269,22 @@ class AgentClient:
 
     def present(
         self, keys: Sequence[str], nbytes: int = 0
-    ) -> list[tuple[str, float] | None]:
-        """Each key on its own (no prefix rule): (source, expected load seconds) or None."""
+    ) -> list[tuple[str, float, str] | None]:
+        """Each key on its own (no prefix rule): (source, expected load seconds, key to
+        load) or None. The key to load is the key itself, or the whole chunk an alias
+        names a prefix of (an agent that knows no aliases answers pairs)."""
         if not keys:
             return []
         r = self._retry(lambda: self._call(Present(list(keys), int(nbytes))))  # fmt: skip
-        return [None if f is None else (str(f[0]), float(f[1])) for f in r["found"]]
+        return [
+            None if f is None else (str(f[0]), float(f[1]), str(f[2]) if len(f) > 2 else k)
+            for k, f in zip(keys, r["found"], strict=True)
+        ]
+
+    def alias(self, targets: Sequence[str], aliases: Sequence[Sequence[str]]) -> None:
+        """Register ``aliases[i]`` as keys of prefixes of chunk ``targets[i]`` (no reply)."""
+        if targets:
+            self._send(Alias(list(targets), [list(a) for a in aliases]))
 
     def prefetch(
         self, keys: Sequence[str], fingerprint: bytes | None = None, wait_s: float = 0.0

@@ -71,6 +71,19 @@ class Present(Request):
 
 
 @dataclass(frozen=True)
+class Alias(Request):
+    """Name the block-aligned prefixes of whole chunks: ``aliases[i]`` are keys of
+    prefixes of ``targets[i]`` (a partial chunk's keys, ``keys.partial_keys``). ``present``
+    answers an alias with its target, which a prompt that diverges inside the chunk loads
+    the first blocks of. Local to the agent; fire-and-forget."""
+
+    op = "alias"
+    noreply = True
+    targets: list[str]
+    aliases: list[list[str]]
+
+
+@dataclass(frozen=True)
 class Prefetch(Request):
     """Copy chunks that live below DRAM or on other nodes into DRAM, in the background;
     with ``wait_s``, reply once they have landed (or their copies failed), at most then."""
@@ -245,7 +258,7 @@ ADMIN: frozenset[type[Request]] = frozenset({PinAdd, PinRm, Evict, Flush, Warm, 
 REQUESTS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
-        Hello, Lookup, Present, Prefetch, Locate, Get, Touch, Release, Reserve, Commit,
+        Hello, Lookup, Present, Alias, Prefetch, Locate, Get, Touch, Release, Reserve, Commit,
         Abort, Put, RegisterModel, Stats, Nodes, Counters, Models, Ls, PinLs, PinAdd, PinRm,
         Evict, Flush, Warm, Clear,
     )

@@ -30,6 +30,7 @@ from tiered_cache.logthrottle import LogThrottle
 from tiered_cache.protocol import (
     REQUESTS,
     Abort,
+    Alias,
     Commit,
     Get,
     Hello,
@@ -196,6 +197,7 @@ class LocalServer(AgentState):
             Hello: self._hello,
             Lookup: self._lookup,
             Present: self._present,
+            Alias: self._alias,
             Prefetch: self._prefetch,
             Locate: self._locate,
             Get: self._get,
@@ -235,6 +237,15 @@ class LocalServer(AgentState):
         _check_keys("present", req.keys)
         found = await self.store.present(req.keys, req.nbytes)
         return {"found": [None if f is None else list(f) for f in found]}
+
+    async def _alias(self, conn: _Conn, req: Alias) -> dict[str, Any]:
+        _check_keys("alias", req.targets)
+        if len(req.aliases) != len(req.targets):
+            raise ProtocolError("alias: one list of aliases per target")
+        for names in req.aliases:
+            _check_keys("alias", names)
+        self.store.aliases.add(req.targets, req.aliases)
+        return {}
 
     async def _prefetch(self, conn: _Conn, req: Prefetch) -> dict[str, Any]:
         _check_keys("prefetch", req.keys)

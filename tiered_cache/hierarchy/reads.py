@@ -14,6 +14,7 @@ from tiered_cache.api import NODE_TIERS
 from tiered_cache.directory import Directory, Location
 from tiered_cache.estimates import SourceEstimator
 from tiered_cache.events import StoreEvents
+from tiered_cache.hierarchy.aliases import AliasMap
 from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot
 from tiered_cache.tiers.base import Tier, TierError
 
@@ -37,6 +38,7 @@ class ReadsMixin:
     _typical_bytes: int
     _missed: dict[str, float]
     _located: dict[str, list[Location]]  # directory answers a prefetch got for its batch
+    aliases: AliasMap
 
     if TYPE_CHECKING:  # defined by TieredStore and RemoteMixin
 
@@ -70,14 +72,23 @@ class ReadsMixin:
             self.events.looked_up(lab)
         return out
 
-    async def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float] | None]:
-        """For each key on its own (no prefix rule): its nearest source and the expected
-        seconds to load it from there, or None. For alternatives, e.g. the partial
-        chunks a longer prompt may share with an earlier one."""
+    async def present(
+        self, keys: Sequence[str], nbytes: int = 0
+    ) -> list[tuple[str, float, str] | None]:
+        """For each key on its own (no prefix rule): its nearest source, the expected
+        seconds to load it from there and the key to load, or None. For alternatives,
+        e.g. the partial chunks a longer prompt may share with an earlier one. A key found
+        nowhere that is an alias (``aliases``) is answered with its whole chunk."""
         labels = await self._labels(keys)
+        to_load = list(keys)
+        via = [i for i, lab in enumerate(labels) if lab is None and self.aliases.target(keys[i])]
+        if via:
+            targets = [self.aliases.target(keys[i]) or "" for i in via]
+            for i, t, lab in zip(via, targets, await self._labels(targets), strict=True):
+                labels[i], to_load[i] = lab, t
         return [
-            None if lab is None else (lab, self._expected_s(key, lab, nbytes))
-            for key, lab in zip(keys, labels, strict=True)
+            None if lab is None else (lab, self._expected_s(k, lab, nbytes), k)
+            for k, lab in zip(to_load, labels, strict=True)
         ]
 
     async def _labels(self, keys: Sequence[str]) -> list[str | None]:

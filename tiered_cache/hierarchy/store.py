@@ -25,6 +25,7 @@ from tiered_cache.breaker import Breaker
 from tiered_cache.directory import Directory, Pin
 from tiered_cache.estimates import SourceEstimator
 from tiered_cache.events import MetricsEvents, StoreEvents
+from tiered_cache.hierarchy.aliases import AliasMap
 from tiered_cache.hierarchy.background import DEFAULT_BACKGROUND_BYTES, CopyBudget
 from tiered_cache.hierarchy.pins import PinsMixin
 from tiered_cache.hierarchy.quotas import QuotasMixin
@@ -110,6 +111,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         self._located = {}  # directory answers a prefetch got for its batch (see prefetch)
         self._landed = asyncio.Event()  # set (and replaced) whenever a prefetch ends
         self._missed: dict[str, float] = {}  # key -> until when no remote copy is offered
+        self.aliases = AliasMap()  # prefixes of whole chunks (``present``)
         self._peer_breakers: dict[str, Breaker] = {}  # node -> its breaker (remote.py)
         self._peer_probes: set[asyncio.Task[None]] = set()
         # tier -> key -> ids of pins covering it
