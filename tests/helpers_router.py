@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 
@@ -73,3 +77,51 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Rig:
+    """A router between two ``FingerprintVllm`` servers, cache-aware through an agent."""
+
+    p: FakeVllm
+    d: FakeVllm
+    router: Any  # tiered_cache.router.Router
+    url: str
+    http: aiohttp.ClientSession
+    cache: Any  # tiered_cache.client.AgentClient
+
+    async def complete(
+        self, prompt: list[int], key: str | None = None, salt: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": 4}
+        if salt is not None:
+            body["cache_salt"] = salt
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        async with self.http.post(self.url + "/v1/completions", json=body, headers=headers) as r:
+            return r.status, await r.json()
+
+
+@asynccontextmanager
+async def router_rig(cfg: Path, **router_kw: Any) -> AsyncIterator[Rig]:
+    """``Rig`` on the agent of config ``cfg``; ``router_kw`` go to ``Router``."""
+    from helpers_agent import socket_of
+
+    from tiered_cache.client import AgentClient
+    from tiered_cache.router import Router
+
+    p, d = FingerprintVllm("prefill"), FingerprintVllm("decode")
+    runners = []
+    for srv in (p, d):
+        runner, srv.url = await serve(srv.app())
+        runners.append(runner)
+    cache = AgentClient(socket_of(cfg), attach_pool=False)
+    router = Router([p.url], [d.url], cache=cache, **router_kw)
+    runner, url = await serve(router.app())
+    runners.append(runner)
+    try:
+        async with aiohttp.ClientSession() as http:
+            yield Rig(p, d, router, url, http, cache)
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()
+        cache.close()

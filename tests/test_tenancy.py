@@ -16,15 +16,14 @@ import json
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from click.testing import CliRunner
 from helpers_agent import FP, N, meta, payload, socket_of, start_agent, write_cfg
-from helpers_router import FakeVllm, FingerprintVllm, serve
+from helpers_router import Rig, router_rig
 
 from tiered_cache import codec
 from tiered_cache.cli import main
@@ -32,7 +31,6 @@ from tiered_cache.client import AgentClient
 from tiered_cache.config import ConfigError, load_config
 from tiered_cache.directory import Pin
 from tiered_cache.keys import chunk_keys
-from tiered_cache.router import Router
 from tiered_cache.tenancy import TenantSpec, tenant_of_salt, tenant_salt
 
 ACME_KEY, ACME_SALT = "acme-key-0123456789abcdef", "acme-salt-0123456789abcdef"
@@ -248,56 +246,15 @@ def test_router_tenants_config_refuses_placeholders(monkeypatch: pytest.MonkeyPa
 # ---------------------------------------------------------------- router
 
 
-@dataclass
-class Rig:
-    p: FakeVllm
-    d: FakeVllm
-    router: Router
-    url: str
-    http: aiohttp.ClientSession
-    cache: AgentClient
-
-    async def complete(
-        self, prompt: list[int], key: str | None, salt: str | None = None
-    ) -> tuple[int, dict[str, Any]]:
-        body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": 4}
-        if salt is not None:
-            body["cache_salt"] = salt
-        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-        async with self.http.post(self.url + "/v1/completions", json=body, headers=headers) as r:
-            return r.status, await r.json()
-
-
-async def _rig(cfg: Path, tenants: list[TenantSpec]) -> AsyncIterator[Rig]:
-    p, d = FingerprintVllm("prefill"), FingerprintVllm("decode")
-    runners = []
-    for srv in (p, d):
-        runner, srv.url = await serve(srv.app())
-        runners.append(runner)
-    cache = AgentClient(socket_of(cfg), attach_pool=False)
-    # Without tenants, the router is built as before tenancy existed.
-    extra: dict[str, Any] = {"tenants": tenants} if tenants else {}
-    router = Router([p.url], [d.url], cache=cache, **extra)
-    runner, url = await serve(router.app())
-    runners.append(runner)
-    try:
-        async with aiohttp.ClientSession() as http:
-            yield Rig(p, d, router, url, http, cache)
-    finally:
-        for r in reversed(runners):
-            await r.cleanup()
-        cache.close()
-
-
 @pytest.fixture
 async def rig(agent: tuple[Path, subprocess.Popen[str]]) -> AsyncIterator[Rig]:
-    async for r in _rig(agent[0], TENANTS):
+    async with router_rig(agent[0], tenants=TENANTS) as r:
         yield r
 
 
 @pytest.fixture
 async def open_rig(agent: tuple[Path, subprocess.Popen[str]]) -> AsyncIterator[Rig]:
-    async for r in _rig(agent[0], []):
+    async with router_rig(agent[0]) as r:  # built as before tenancy existed
         yield r
 
 
