@@ -334,7 +334,9 @@ class SchedulerSide(ConnectorBase):
         if not lengths:
             return None
         parent = w.keys[span.index - 1] if span.index else None
-        cands = tc_keys.partial_keys(prompt, self._fp, salt, parent, span.start, lengths)
+        cands = tc_keys.partial_keys(
+            prompt[span.start : span.end], self._fp, salt, parent, 0, lengths
+        )
         nbytes = self._chunk_bytes * lengths[0] // self._chunk_size
 
         def probe(st: SlotStore) -> list[tuple[str, float, str] | None]:
@@ -577,7 +579,10 @@ class SchedulerSide(ConnectorBase):
         bs = self._block_size
         lengths = list(range(bs, self._chunk_size, bs))
         aliases = [
-            tc_keys.partial_keys(st.prompt, self._fp, st.salt, parent, start, lengths)
+            # Only the chunk's tokens: converting the whole prompt per chunk is quadratic.
+            tc_keys.partial_keys(
+                st.prompt[start : start + self._chunk_size], self._fp, st.salt, parent, 0, lengths
+            )
             for _, parent, start in whole
         ]
         targets = [k for k, _, _ in whole]
