@@ -387,6 +387,12 @@ def run_load(
         or delta.get("vllm:prefix_cache_hits_total", 0.0),
         "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits_total", 0.0),
         "hit_tokens_by_tier": tiers, "fallbacks": reasons, "router_fallbacks": routed,
+        # Where a deployment's time goes besides compute: requests evicted mid-run for
+        # want of KV blocks, and seconds requests waited in vLLM's queue.
+        "preemptions": total("vllm:num_preemptions_total")
+        or delta.get("vllm:num_preemptions_total", 0.0),
+        "queue_s": total("vllm:request_queue_time_seconds_sum")
+        or delta.get("vllm:request_queue_time_seconds_sum", 0.0),
         "start_times": res["start_times"],
     }
 
