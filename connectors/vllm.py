@@ -17,6 +17,11 @@ last token; ``kv_both`` does both (offload and reuse its own prefixes).
     tokens per chunk; a multiple of vLLM's KV block size.
 ``save_unfull_chunk`` (the cache config's, true)
     a producer also saves a prompt's last, partial chunk.
+``block_aliases`` (true)
+    a producer also names the block-aligned prefixes of each whole chunk it saves (one
+    fire-and-forget frame to its agent), so a prompt that diverges inside that chunk
+    loads the blocks it shares; off with TP > 1 (docs/architecture.md, "Prompts that
+    share part of a chunk").
 ``load_wait_timeout_s`` (5.0)
     the most a consumer waits for chunks on their way (its prefill's, or a copy into
     DRAM); the actual bound is what recomputing the waited-for tokens costs this engine.
