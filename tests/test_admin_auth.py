@@ -199,6 +199,8 @@ def _writes(k: str) -> list[tuple[str, bytes]]:
         ("put", raw_frame("put", key=k, data=data)),
         ("commit", raw_frame("commit", items=[[k, 0, len(data), None, 0]])),
         ("register_model", raw_frame("register_model", model={"model_id": "m"})),
+        # An alias points a key at a chunk: a write (a wrong one would load other KV).
+        ("alias", raw_frame("alias", targets=[k], aliases=[["ab" * 16]])),
         ("evict", raw_frame("evict", key=k, token=TOKEN)),
         ("flush", raw_frame("flush", token=TOKEN)),
     ]

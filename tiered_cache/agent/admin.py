@@ -14,6 +14,7 @@ from tiered_cache.directory import Pin
 from tiered_cache.metrics import Metrics
 from tiered_cache.protocol import (
     ADMIN,
+    Alias,
     Clear,
     Commit,
     Counters,
@@ -41,7 +42,7 @@ log = logging.getLogger("tiered_cache.agent")
 
 
 # What a local client of another uid may not do: write chunks or registrations.
-WRITES: frozenset[type[Request]] = frozenset({Put, Commit, Reserve, RegisterModel})
+WRITES: frozenset[type[Request]] = frozenset({Put, Commit, Reserve, RegisterModel, Alias})
 
 
 def token_matches(given: object, want: str) -> bool:
