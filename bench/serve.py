@@ -315,7 +315,9 @@ class Bench:
                  d.servers[0].url, "--decode", d.servers[1].url, "--port", str(port), "-c",
                  str(cfg)], self.work / "router.log"))  # fmt: skip
             wait_http(d.url + "/health", 60)
-        warm = _tokens(random.Random(99), 40)
+        # Warm up the whole path, saves included: 600 tokens is two whole chunks (ours
+        # and LMCache's), so no deployment pays its first-save costs inside the load.
+        warm = _tokens(random.Random(99), 600)
         for s in d.servers:
             s.completion(warm, max_tokens=2, logprobs=0, timeout=600).raise_for_status()
         return d
