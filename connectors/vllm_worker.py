@@ -126,12 +126,22 @@ class WorkerSide(ConnectorBase):
             kv.device,
         )
 
-    def _worker_keys(self, indices: Sequence[int], tokens: Sequence[int] | None,
-                     salt: str | None, given: Sequence[str]) -> list[str]:
+    def _worker_keys(self, chunks: Sequence[LoadChunk], tokens: Sequence[int] | None,
+                     salt: str | None) -> list[str]:
+        """The keys this rank loads: rank 0's are in the metadata; another rank's KV is
+        its own (its fingerprint names its rank), so it derives them from the tokens."""
         if self._tp_rank == 0 or tokens is None:
-            return list(given)
+            return [c.key for c in chunks]
         ks = self._req_keys(tokens, salt)
-        return [ks[i] for i in indices]
+        out = []
+        for c in chunks:
+            if c.num_tokens < self._chunk_size:  # an earlier, shorter prompt's aligned tail
+                parent = ks[c.index - 1] if c.index else None
+                out += tc_keys.partial_keys(tokens, self._fp, salt, parent,
+                                            c.index * self._chunk_size, [c.num_tokens])
+            else:
+                out.append(ks[c.index])
+        return out
 
     # -- loading
 
@@ -210,10 +220,7 @@ class WorkerSide(ConnectorBase):
         if kv is None:
             raise RuntimeError("KV caches were not registered")
         t0 = time.perf_counter()
-        keys = self._worker_keys(
-            [c.index for c in job.chunks], job.token_ids, job.cache_salt,
-            [c.key for c in job.chunks],
-        )
+        keys = self._worker_keys(job.chunks, job.token_ids, job.cache_salt)
         digest = self._fp.digest
         stream = kv.side_stream()
         pinned = HostStaging(pin=True) if not kv.on_host else None

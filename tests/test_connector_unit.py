@@ -176,7 +176,9 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryChunkStore]:
     yield st
 
 
-def make_connector(mod: Any, role: str, kv_role: str, bs: int = BS, **extra: Any) -> Any:
+def make_connector(
+    mod: Any, role: str, kv_role: str, bs: int = BS, tp: int = 1, **extra: Any
+) -> Any:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -191,7 +193,7 @@ def make_connector(mod: Any, role: str, kv_role: str, bs: int = BS, **extra: Any
         kv_transfer_config=ktc,
         model_config=SimpleNamespace(model="unit/tiny", dtype=torch.float32),
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout="LBHNC"),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=tp),
     )
     spec = FullAttentionSpec(block_size=bs, num_kv_heads=H, head_size=HS, dtype=torch.float32)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -1036,6 +1038,68 @@ def test_a_longer_prompt_loads_the_block_aligned_tail_of_an_earlier_one(
     meta2 = d.step(sched_output([(dreq, blocks, 144, len(longer) - 144)]))
     assert [(s.index, s.num_tokens, s.aligned) for s in meta2.saves] == [(2, 62, False),
                                                                          (2, 48, True)]
+
+
+class TP2Node:
+    """One vLLM instance at TP=2: the scheduler (rank 0's keys) and a worker per rank,
+    each with KV of its own (its fingerprint names its rank, so its keys differ)."""
+
+    def __init__(self, mod: Any, kv_role: str, seed: int, monkeypatch: pytest.MonkeyPatch,
+                 zero: bool = False, **extra: Any):  # fmt: skip
+        import connectors.vllm_common as common
+
+        self.sched = make_connector(mod, "scheduler", kv_role, tp=2, **extra)
+        self.workers: list[Any] = []
+        self.layers: list[list[torch.Tensor]] = []
+        for rank in (0, 1):
+            monkeypatch.setattr(common, "_tp_rank", lambda r=rank: r)
+            w = make_connector(mod, "worker", kv_role, tp=2, **extra)
+            layers = kv_layers(64, 10 * seed + rank)
+            if zero:
+                layers = [torch.zeros_like(t) for t in layers]
+            w.register_kv_caches({f"model.layers.{i}.self_attn.attn": t
+                                  for i, t in enumerate(layers)})  # fmt: skip
+            self.workers.append(w)
+            self.layers.append(layers)
+        monkeypatch.setattr(common, "_tp_rank", lambda: 0)
+
+    def step(self, so: Any) -> Any:
+        meta = self.sched.build_connector_meta(so)
+        for w in self.workers:
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            w.drain_saves()
+            w.clear_connector_metadata()
+        return meta
+
+
+def test_tp2_every_rank_loads_an_earlier_prompts_aligned_tail(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At TP=2 the metadata names rank 0's keys; rank 1 derives its own from the
+    tokens. For the block-aligned tail an earlier, shorter prompt saved, that is the
+    key of those tokens, not of the longer prompt's chunk at that position (which no
+    rank has): without it rank 1 failed the load and the request recomputed."""
+    p = TP2Node(vllm_mod, "kv_both", 1, monkeypatch)
+    req = FakeRequest("p1", PROMPT)  # 150 tokens: chunks of 64, 64 and a 22-token tail
+    p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    p.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+    p.sched.request_finished(req, P_BLOCKS)
+    assert len(store._data) == 2 * 4  # each rank's chunks and aligned tail
+    longer = [*PROMPT, *range(600, 640)]  # the next turn: 190 tokens
+    d = TP2Node(vllm_mod, "kv_both", 2, monkeypatch, zero=True)
+    dreq = FakeRequest("d1", longer)
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (128 + 16, False)
+    blocks = [*D_BLOCKS, 50, 51]
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(blocks), 144)
+    load = d.step(sched_output([])).loads[0]
+    assert [(c.index, c.num_tokens) for c in load.chunks] == [(0, 64), (1, 64), (2, 16)]
+    for rank, w in enumerate(d.workers):
+        assert w.get_block_ids_with_load_errors() == set(), f"rank {rank}"
+        for li in range(LAYERS):
+            got, want = d.layers[rank][li][blocks[:9]], p.layers[rank][li][P_BLOCKS[:9]]
+            assert torch.equal(got, want), f"rank {rank} layer {li}"
 
 
 @pytest.mark.parametrize("aliases", [True, False], ids=["aliases", "off"])
