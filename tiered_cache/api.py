@@ -156,10 +156,11 @@ class MemoryChunkStore:
 
     def __init__(self) -> None:
         from tiered_cache import codec
+        from tiered_cache.hierarchy.aliases import AliasMap
 
         self._codec = codec
         self._data: dict[str, bytes] = {}
-        self._aliases: dict[str, str] = {}
+        self._aliases = AliasMap()  # bounded, as the agent's
         self.tiers: list[str] = []
 
     def lookup(self, keys: Sequence[str]) -> list[str]:
@@ -214,13 +215,12 @@ class MemoryChunkStore:
     ) -> list[tuple[str, float, str] | None]:
         out: list[tuple[str, float, str] | None] = []
         for k in keys:
-            t = k if k in self._data else self._aliases.get(k)
+            t = k if k in self._data else self._aliases.target(k)
             out.append(("dram", 0.0, t) if t is not None and t in self._data else None)
         return out
 
     def alias(self, targets: Sequence[str], aliases: Sequence[Sequence[str]]) -> None:
-        for t, names in zip(targets, aliases, strict=True):
-            self._aliases.update(dict.fromkeys(names, t))
+        self._aliases.add(targets, aliases)
 
     def prefetch(
         self, keys: Sequence[str], fingerprint: bytes | None = None, wait_s: float = 0.0

@@ -102,6 +102,7 @@ class AdminOps(AgentState):
             # The DRAM pool's books (free slots, reserved runs, leases): leak checks.
             "pool": top.accounting() if isinstance(top, DRAMTier) else None,
             "tenants": {t: book.usage(t) for t in book.tenants()},
+            "aliases": len(self.store.aliases),  # block-aligned prefixes kept (``present``)
         }
 
     async def _pin_add(self, conn: _Conn, req: PinAdd) -> dict[str, Any]:

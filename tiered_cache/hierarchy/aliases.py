@@ -7,7 +7,9 @@ prefix cache would have kept. The connector that saves a whole chunk also regist
 keys of its block-aligned prefixes (``keys.partial_keys``, the same keys a partial chunk
 of those tokens has); ``present`` answers such a key with the whole chunk, whose first
 blocks the other prompt then loads. Kept by the agent only (not in the directory), and
-bounded: the oldest go first, and an alias of a chunk no tier holds any more is a miss."""
+bounded: the least recently used go first (an alias that finds its chunk counts as used,
+so a hot shared prefix keeps its aliases however many chunks are saved after it), and an
+alias of a chunk no tier holds any more is a miss, and dropped."""
 
 from __future__ import annotations
 
@@ -36,6 +38,16 @@ class AliasMap:
 
     def target(self, key: str) -> str | None:
         return self._map.get(key)
+
+    def used(self, key: str) -> None:
+        """``key`` found its chunk: it goes last in line for eviction."""
+        if key in self._map:
+            self._map.move_to_end(key)
+
+    def drop(self, key: str) -> None:
+        """``key``'s chunk is gone (keys name content: it comes back with a new save,
+        which names its aliases again)."""
+        self._map.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._map)

@@ -86,6 +86,7 @@ class ReadsMixin:
             targets = [self.aliases.target(keys[i]) or "" for i in via]
             for i, t, lab in zip(via, targets, await self._labels(targets), strict=True):
                 labels[i], to_load[i] = lab, t
+                (self.aliases.drop if lab is None else self.aliases.used)(keys[i])
         return [
             None if lab is None else (lab, self._expected_s(k, lab, nbytes), k)
             for k, lab in zip(to_load, labels, strict=True)
