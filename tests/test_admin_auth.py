@@ -217,8 +217,11 @@ def test_other_uid_may_read_but_not_write(tmp_path: Path, shared_dir: Path) -> N
             assert not r["ok"] and r["kind"] == "auth", (op, r)
             assert f"{op} refused: local uid {NOBODY}" in r["error"], r
         assert all(r["ok"] for r in got[len(writes) :]), got[len(writes) :]
+        # Told not to send aliases (its client sends none, rather than be refused).
+        assert got[len(writes)]["aliases"] is False
         c = AgentClient(sock, attach_pool=False)  # our own uid: the same writes pass
         try:
+            assert c.takes_aliases
             assert c.admin("stats")["pool"]["reserved_runs"] == 0  # nobody's took nothing
             c.put_many([(meta(k, 1024), payload(1, 1024))], wait=True)
             assert c.lookup([k]) == ["dram"]

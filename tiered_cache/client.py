@@ -119,6 +119,7 @@ class AgentClient:
         # The cluster's chunk MAC key when the agent has one: chunks written here carry a
         # MAC that other nodes check (codec.py).
         self.mac_key: bytes | None = hello.get("chunk_mac_key")
+        self.takes_aliases = bool(hello.get("aliases"))
         self.slot_bytes: int = hello["slot_bytes"]
         # A chunk takes a run of slots: anything up to the pool's size fits.
         self.pool_bytes: int = int(hello.get("pool_bytes") or 0)
@@ -283,7 +284,7 @@ class AgentClient:
 
     def alias(self, targets: Sequence[str], aliases: Sequence[Sequence[str]]) -> None:
         """Register ``aliases[i]`` as keys of prefixes of chunk ``targets[i]`` (no reply)."""
-        if targets:
+        if targets and self.takes_aliases:
             self._send(Alias(list(targets), [list(a) for a in aliases]))
 
     def prefetch(

@@ -224,6 +224,9 @@ class LocalServer(AgentState):
             # Writers on this node sign their chunks with it; a client that may not write
             # gets none. The peer secret it derives from never leaves the agent.
             "chunk_mac_key": self.store.mac_key if conn.trusted else None,
+            # Whether this client may register aliases (a write): one that may not, or
+            # an agent that predates them, is sent none.
+            "aliases": conn.trusted,
         }
 
     async def _lookup(self, conn: _Conn, req: Lookup) -> dict[str, Any]:
