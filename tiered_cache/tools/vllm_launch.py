@@ -268,6 +268,12 @@ class VllmServer(LoggedProcess):
                 os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+        if pgid is not None:  # until the killed workers are gone: they map the segments
+            deadline = time.monotonic() + 10
+            with contextlib.suppress(ProcessLookupError):
+                while time.monotonic() < deadline:
+                    os.killpg(pgid, 0)
+                    time.sleep(0.05)
         # Its killed workers leave their segments behind: GBs over a few runs.
         drop_mp_shm(self._shm_before)
 
