@@ -80,7 +80,8 @@ class RouterConfig(_Strict):
     # with its tenant's salt; without, requests pass as they are.
     tenants: list[TenantSpec] = Field(default_factory=list)
     # A prompt whose whole chunks are all cached skips the prefill server when at most
-    # this many tokens are left for the decode to compute (null: fewer than a chunk).
+    # this many tokens are left for the decode to compute, the last prompt token (which
+    # vLLM always computes) included (null: up to a chunk).
     # 0 sends every prompt through prefill: decodes never run a prompt of their own.
     max_local_prefill_tokens: int | None = Field(default=None, ge=0)
 
