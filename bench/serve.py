@@ -674,7 +674,11 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
         main_label = meeting[-1]
     # Goodput of our best deployment at the main load level.
     ours_best = max(("ours", "pd"), key=lambda n: metric(n, main_label, "request_goodput") or 0)
-    mixed = next((lab for lab in ref if lab.startswith("mixed@")), None)
+    # The mixed workload at the main load's rate (its decode interference grows with the
+    # rate; at the lowest, requests barely overlap), else its first level.
+    mixed_labels = [lab for lab in ref if lab.startswith("mixed@")]
+    same_rate = f"mixed@{main_label.split('@')[-1]}"
+    mixed = same_rate if same_rate in mixed_labels else next(iter(mixed_labels), None)
     out["ratios"] = {
         "best_ours": ours_best,
         "goodput_ours_vs_monolithic": ratio(metric(ours_best, main_label, "request_goodput"),
@@ -703,6 +707,11 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
             metric(ours_best, main_label, "request_throughput"),
             metric("ideal", main_label, "request_throughput")),
     }  # fmt: skip
+    if len(mixed_labels) > 1:  # every rate: where P/D's steady decode shows, and where not
+        out["ratios"]["tpot_p99_pd_vs_monolithic_mixed_by_load"] = {
+            lab: ratio(metric("pd", lab, "tpot_ms", "p99"), metric("mono", lab, "tpot_ms", "p99"))
+            for lab in mixed_labels
+        }
     if rated and rated[-1][1] != main_label:
         # Goodput cannot exceed the offered rate: where mono meets the SLOs, no deployment
         # can beat it by more than 1/0.9. The highest rate run shows what each one holds.
