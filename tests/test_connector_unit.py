@@ -1009,6 +1009,18 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
         agent.wait(10)
 
 
+def next_turn_loads_the_tail(d: Any) -> tuple[FakeRequest, list[int]]:
+    """PROMPT's next turn (190 tokens) on node ``d``, after PROMPT was saved: it finds
+    chunks 0 and 1 whole and the tail's 16-token aligned copy, and loads them."""
+    dreq = FakeRequest("d1", [*PROMPT, *range(600, 640)])
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (128 + 16, False)
+    blocks = [*D_BLOCKS, 50, 51]
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(blocks), 144)
+    load = d.step(sched_output([])).loads[0]
+    assert [(c.index, c.num_tokens) for c in load.chunks] == [(0, 64), (1, 64), (2, 16)]
+    return dreq, blocks
+
+
 def test_a_longer_prompt_loads_the_block_aligned_tail_of_an_earlier_one(
     vllm_mod: Any, agent_store: dict[str, Any]
 ) -> None:
@@ -1023,14 +1035,9 @@ def test_a_longer_prompt_loads_the_block_aligned_tail_of_an_earlier_one(
         (0, 64, False), (1, 64, False), (2, 22, False), (2, 16, True)
     ]
     p.sched.request_finished(req, P_BLOCKS)
-    longer = [*PROMPT, *range(600, 640)]  # the next turn: 190 tokens
     d = agent_node(vllm_mod, "kv_both", 2, agent_store, zero=True)
-    dreq = FakeRequest("d1", longer)
-    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (128 + 16, False)
-    blocks = [*D_BLOCKS, 50, 51]
-    d.sched.update_state_after_alloc(dreq, FakeBlocks(blocks), 144)
-    load = d.step(sched_output([])).loads[0]
-    assert [(c.index, c.num_tokens) for c in load.chunks] == [(0, 64), (1, 64), (2, 16)]
+    dreq, blocks = next_turn_loads_the_tail(d)
+    longer = dreq.prompt_token_ids
     assert d.worker.get_block_ids_with_load_errors() == set()
     for li in range(LAYERS):
         assert torch.equal(d.layers[li][blocks[:9]], p.layers[li][P_BLOCKS[:9]])
@@ -1087,14 +1094,8 @@ def test_tp2_every_rank_loads_an_earlier_prompts_aligned_tail(
     p.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
     p.sched.request_finished(req, P_BLOCKS)
     assert len(store._data) == 2 * 4  # each rank's chunks and aligned tail
-    longer = [*PROMPT, *range(600, 640)]  # the next turn: 190 tokens
     d = TP2Node(vllm_mod, "kv_both", 2, monkeypatch, zero=True)
-    dreq = FakeRequest("d1", longer)
-    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (128 + 16, False)
-    blocks = [*D_BLOCKS, 50, 51]
-    d.sched.update_state_after_alloc(dreq, FakeBlocks(blocks), 144)
-    load = d.step(sched_output([])).loads[0]
-    assert [(c.index, c.num_tokens) for c in load.chunks] == [(0, 64), (1, 64), (2, 16)]
+    _, blocks = next_turn_loads_the_tail(d)
     for rank, w in enumerate(d.workers):
         assert w.get_block_ids_with_load_errors() == set(), f"rank {rank}"
         for li in range(LAYERS):
