@@ -346,9 +346,7 @@ class SchedulerSide(ConnectorBase):
         for n_tok, key, found in zip(lengths, cands, self._guarded("lookup", probe, none),
                                      strict=False):  # fmt: skip
             if found is not None:
-                # A store that answers pairs (no aliases) loads the key itself.
-                src, cost = found[0], found[1]
-                load_key = found[2] if len(found) > 2 else key
+                src, cost, load_key = found
                 whole = n_tok if load_key == key else self._chunk_size
                 return span.index, n_tok, load_key, src, cost, whole
         return None

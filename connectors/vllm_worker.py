@@ -133,15 +133,18 @@ class WorkerSide(ConnectorBase):
         if self._tp_rank == 0 or tokens is None:
             return [c.key for c in chunks]
         ks = self._req_keys(tokens, salt)
-        out = []
-        for c in chunks:
-            if c.num_tokens < self._chunk_size:  # an earlier, shorter prompt's aligned tail
-                parent = ks[c.index - 1] if c.index else None
-                out += tc_keys.partial_keys(tokens, self._fp, salt, parent,
-                                            c.index * self._chunk_size, [c.num_tokens])
-            else:
-                out.append(ks[c.index])
-        return out
+        return [self._rank_key(ks, tokens, salt, c.index, c.num_tokens)[0] for c in chunks]
+
+    def _rank_key(self, ks: Sequence[str], tokens: Sequence[int], salt: str | None,
+                  index: int, num_tokens: int) -> tuple[str, str | None]:
+        """This rank's key and parent key of the chunk at ``index`` of ``num_tokens``
+        tokens (``ks``: its keys of the prompt): a whole chunk, or a partial one (the
+        prompt's tail, or the block-aligned copy of an earlier, shorter prompt's)."""
+        parent = ks[index - 1] if index else None
+        if num_tokens < self._chunk_size:
+            start = index * self._chunk_size
+            return tc_keys.partial_keys(tokens, self._fp, salt, parent, start, [num_tokens])[0], parent
+        return ks[index], parent
 
     # -- loading
 
@@ -457,15 +460,15 @@ class WorkerSide(ConnectorBase):
         store = self._open_store()
         seen: set[str] = set()
         todo: list[tuple[SaveChunk, str, str | None]] = []
+        req_keys: dict[str, list[str]] = {}  # this rank's keys of each prompt, once
         for s in meta.saves:
             key, parent = s.key, s.parent
             if self._tp_rank != 0 and s.req_id in meta.save_tokens:
                 toks, salt = meta.save_tokens[s.req_id]
-                ks = self._req_keys(toks, salt)
-                key, parent = ks[s.index], (ks[s.index - 1] if s.index else None)
-                if s.aligned:
-                    key = tc_keys.partial_keys(toks, self._fp, salt, parent,
-                                               s.index * self._chunk_size, [s.num_tokens])[0]
+                if s.req_id not in req_keys:
+                    req_keys[s.req_id] = self._req_keys(toks, salt)
+                key, parent = self._rank_key(req_keys[s.req_id], toks, salt, s.index,
+                                             s.num_tokens)  # fmt: skip
             if key not in seen:
                 seen.add(key)
                 todo.append((s, key, parent))

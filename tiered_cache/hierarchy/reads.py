@@ -81,12 +81,16 @@ class ReadsMixin:
         nowhere that is an alias (``aliases``) is answered with its whole chunk."""
         labels = await self._labels(keys)
         to_load = list(keys)
-        via = [i for i, lab in enumerate(labels) if lab is None and self.aliases.target(keys[i])]
+        via = [(i, t) for i, lab in enumerate(labels)
+               if lab is None and (t := self.aliases.target(keys[i])) is not None]  # fmt: skip
         if via:
-            targets = [self.aliases.target(keys[i]) or "" for i in via]
-            for i, t, lab in zip(via, targets, await self._labels(targets), strict=True):
+            found = await self._labels([t for _, t in via])
+            for (i, t), lab in zip(via, found, strict=True):
                 labels[i], to_load[i] = lab, t
-                (self.aliases.drop if lab is None else self.aliases.used)(keys[i])
+                if lab is None:  # its chunk is gone
+                    self.aliases.drop(keys[i])
+                else:
+                    self.aliases.used(keys[i])
         return [
             None if lab is None else (lab, self._expected_s(k, lab, nbytes), k)
             for k, lab in zip(to_load, labels, strict=True)
