@@ -88,7 +88,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from connectors.vllm_common import ConnectorArgs
+from connectors.vllm_common import ConnectorArgs, _as_bool
 from connectors.vllm_metrics import TieredCacheConnectorStats, TieredCachePromMetrics
 from connectors.vllm_scheduler import SchedulerSide
 from connectors.vllm_worker import WorkerSide
@@ -225,6 +225,13 @@ class TieredCacheConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self.scheduler or self.worker
         return side.get_kv_connector_stats() if side is not None else None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise saves run in ``save_kv_layer`` between a layer's kernels and the
+        next's; a full CUDA graph replays the kernels without that Python hook, so nothing
+        would be saved. vLLM then captures piecewise graphs instead."""
+        return _as_bool((extra_config or {}).get("layerwise_save", True))
 
     @classmethod
     def build_kv_connector_stats(

@@ -44,7 +44,8 @@ class _Identity:
     fingerprint: tc_keys.ModelFingerprint
     kv_layout: str  # header field (<= 8 bytes)
     block_size: int
-    dtype: str
+    dtype: str  # the cache's format, as keyed: "bfloat16", "uint8/fp8_e5m2"
+    tensor_dtype: str  # what vLLM's KV tensors hold (payload headers name this)
 
 
 # Sources a load reads in milliseconds: loaded inside the forward pass under "auto".
@@ -173,15 +174,20 @@ def build_identity(
             f"to a multiple of {block_size}, or change --block-size"
         )
     spec_dtype = getattr(spec, "dtype", None)
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if isinstance(spec_dtype, torch.dtype):
-        dtype = dtype_name(spec_dtype)
+        tensor_dtype = dtype_name(spec_dtype)
     else:
-        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-        dtype = (
+        tensor_dtype = (
             cache_dtype
             if cache_dtype != "auto"
             else dtype_name(vllm_config.model_config.dtype)  # type: ignore[arg-type]
         )
+    # Every fp8 format is stored as uint8 tensors: the format itself must be keyed, or a
+    # chunk written as fp8_e5m2 would load into an fp8_e4m3 cache.
+    dtype = tensor_dtype
+    if cache_dtype not in ("auto", tensor_dtype):
+        dtype = f"{tensor_dtype}/{cache_dtype}"
     layout = (
         getattr(kv_cache_config, "kv_cache_layout", None)
         or getattr(vllm_config.cache_config, "kv_cache_layout", None)
@@ -198,6 +204,14 @@ def build_identity(
     pc = vllm_config.parallel_config
     if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
         raise ValueError("TieredCacheConnector does not support pipeline parallelism yet")
+    # Under context parallelism a block holds block_size x CP tokens interleaved across
+    # ranks: neither the chunk keys nor the block math describe that.
+    for setting in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, setting, 1) or 1) > 1:
+            raise ValueError(
+                f"TieredCacheConnector does not support context parallelism "
+                f"({setting}={getattr(pc, setting)}); set it to 1"
+            )
     tp_size = int(getattr(pc, "tensor_parallel_size", 1))
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or mc.model)
@@ -230,7 +244,7 @@ def build_identity(
         weights=weights,
         cache_epoch=str(extra.get("cache_epoch") or ""),
     )
-    return _Identity(fp, layout[:8], block_size, dtype)
+    return _Identity(fp, layout[:8], block_size, dtype, tensor_dtype)
 
 def _chunk_bytes(kv_cache_config: KVCacheConfig | None, extra: Mapping[str, Any]) -> int:
     """Bytes of one full chunk on this rank (all layers), from vLLM's KV cache spec: what

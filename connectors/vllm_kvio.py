@@ -1,9 +1,10 @@
 """Chunk math and paged-KV block copies for the vLLM connector. No vLLM imports.
 
 vLLM hands a connector one tensor per attention layer whose first dimension is the block
-id (``[num_blocks, H, block_size, C]`` in 0.32/0.33; MLA uses ``H == 1``). A block is
-copied as an opaque unit: on the CPU backend each (block, head) holds all K then all V,
-on CUDA each token holds K|V, and neither matters here because K and V are never split.
+id (``[num_blocks, H, block_size, C]`` in 0.32/0.33, strided per the KV cache layout; MLA
+uses ``H == 1``; see ``PagedKV`` for kernel-split views). A block is copied as an opaque
+unit: on the CPU backend each (block, head) holds all K then all V, on CUDA each token holds
+K|V, and neither matters here because K and V are never split.
 
 A chunk's payload is the chunk's blocks of every layer, as one buffer shaped
 ``[num_layers, n_blocks, *block_shape]``: one ``index_select`` per layer writes it, one
@@ -12,6 +13,7 @@ A chunk's payload is the chunk's blocks of every layer, as one buffer shaped
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -167,9 +169,25 @@ def payload_tensor(
 
 
 class PagedKV:
-    """The layers' paged KV tensors, in a fixed layer order."""
+    """The layers' paged KV tensors, in a fixed layer order, indexed by vLLM's block ids.
 
-    def __init__(self, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None):
+    vLLM 0.32 hands connectors ``[B, H, N, C]`` views whose strides follow the resolved
+    ``KVCacheLayout`` (``LBNHC``, ``LBHNC``, block-outermost ``BL..`` ones) and, where the
+    attention backend takes smaller blocks than ``--block-size`` (FlashInfer 16-64, FlashMLA
+    64, CUTLASS MLA 128), whose first dimension counts *kernel* blocks: ``num_blocks *
+    ratio`` of ``N = block_size / ratio`` tokens (``v1/kv_cache_interface.py``,
+    ``create_kv_cache_views``). Given vLLM's ``block_size``, such views (``N < block_size``)
+    are grouped back into scheduler blocks (as vLLM's ``group_kernel_blocks`` does), and a block's
+    payload is always the canonical ``[H, block_size, C]``: a chunk written under one kernel
+    split loads under another.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        names: Sequence[str] | None = None,
+        block_size: int | None = None,
+    ):
         if not layers:
             raise ValueError("no KV cache layers")
         first = layers[0]
@@ -181,16 +199,40 @@ class PagedKV:
                 )
             if t.device != first.device:
                 raise ValueError("all KV layers must be on one device")
+        rows = int(first.shape[0])
+        self.ratio = 1  # kernel blocks per scheduler block
+        if block_size is not None and first.dim() == 4 and first.shape[2] != block_size:
+            n = int(first.shape[2])
+            if block_size % n or rows % (block_size // n):
+                raise ValueError(
+                    f"KV views {tuple(first.shape)} hold {n}-token blocks, which do not "
+                    f"divide --block-size {block_size}: unsupported KV cache layout"
+                )
+            self.ratio = block_size // n
+        nb = rows // self.ratio
         self.layers = list(layers)
+        # [B, ratio, H, N/ratio, C] views: one scheduler block per row (pure views).
+        self._grouped = (
+            [t.unflatten(0, (nb, self.ratio)) for t in layers] if self.ratio > 1 else self.layers
+        )
         self.names = list(names) if names is not None else [str(i) for i in range(len(layers))]
+        self._by_name = {n: i for i, n in enumerate(self.names)}
         self.num_layers = len(layers)
-        self.num_blocks = int(first.shape[0])
-        self.block_shape = tuple(int(x) for x in first.shape[1:])
+        self.num_blocks = nb
+        shape = tuple(int(x) for x in first.shape[1:])
+        if self.ratio > 1:
+            h, n, c = shape
+            shape = (h, n * self.ratio, c)
+        self.block_shape = shape
         self.dtype = first.dtype
         self.device = first.device
         self.on_host = first.device.type == "cpu"
-        self.block_bytes = first[0].numel() * first.element_size()
-        self._stream: torch.cuda.Stream | None = None
+        self.block_bytes = math.prod(shape) * first.element_size()
+
+    @property
+    def kernel_block_tokens(self) -> int | None:
+        """Tokens per kernel block when views are split (None when they are not)."""
+        return self.block_shape[1] // self.ratio if self.ratio > 1 else None
 
     def payload_shape(self, n_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, n_blocks, *self.block_shape)
@@ -209,18 +251,30 @@ class PagedKV:
             raise IndexError(f"block id out of range [0, {self.num_blocks}): {list(block_ids)}")
 
     def layer_index(self, name: str) -> int | None:
-        if not hasattr(self, "_by_name"):
-            self._by_name = {n: i for i, n in enumerate(self.names)}
         return self._by_name.get(name)
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        """A canonical ``[n, H, r*N, C]`` tensor as ``[n, r, H, N, C]`` (a permuted view)."""
+        n = t.shape[0]
+        h, tok, c = self.block_shape
+        return t.view(n, h, self.ratio, tok // self.ratio, c).permute(0, 2, 1, 3, 4)
 
     def gather_layer(self, li: int, idx: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the blocks ``idx`` (from ``index``) of layer ``li`` into ``out`` ([n, *block],
         host). On an accelerator it is queued on the current stream."""
-        layer = self.layers[li]
+        if self.ratio == 1:
+            layer = self.layers[li]
+            if self.on_host:
+                torch.index_select(layer, 0, idx, out=out)
+            else:
+                out.copy_(layer.index_select(0, idx), non_blocking=True)
+            return
+        g = self._grouped[li].index_select(0, idx)  # [n, r, H, N, C], on the KV's device
+        canon = g.permute(0, 2, 1, 3, 4)  # token r*N + t of a block is kernel block r's t
         if self.on_host:
-            torch.index_select(layer, 0, idx, out=out)
-        else:
-            out.copy_(layer.index_select(0, idx), non_blocking=True)
+            out.view(canon.shape).copy_(canon)
+        else:  # reorder on the device (cheap), then one contiguous D2H copy
+            out.copy_(canon.contiguous().view(out.shape), non_blocking=True)
 
     def index(self, block_ids: Sequence[int]) -> torch.Tensor:
         self._check_ids(block_ids)
@@ -229,39 +283,38 @@ class PagedKV:
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out`` ([L, n, *block_shape], host).
 
-        On an accelerator the copies are queued on the current stream; call
-        ``synchronize()`` before reading ``out``.
+        On an accelerator the copies are queued on the current stream.
         """
-        self._check_ids(block_ids)
-        idx = self._index(block_ids)
-        for li, layer in enumerate(self.layers):
-            if self.on_host:
-                torch.index_select(layer, 0, idx, out=out[li])
-            else:
-                out[li].copy_(layer.index_select(0, idx), non_blocking=True)
+        idx = self.index(block_ids)
+        if self.on_host:
+            for li in range(self.num_layers):
+                self.gather_layer(li, idx, out[li])
+            return
+        # Gather every layer on the device, then one large D2H copy.
+        dev = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        for li in range(self.num_layers):
+            if self.ratio == 1:
+                torch.index_select(self.layers[li], 0, idx, out=dev[li])
+            else:  # canonical order: [n, r, H, N, C] -> [n, H, r*N, C]
+                self._split(dev[li]).copy_(self._grouped[li].index_select(0, idx))
+        out.copy_(dev, non_blocking=True)
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Write ``src`` ([L, n, *block_shape], host) into blocks ``block_ids`` of every layer."""
+        """Write ``src`` ([L, n, *block_shape], host) into blocks ``block_ids`` of every layer.
+
+        On an accelerator the copies are queued on the current stream; ``src`` must stay
+        valid (and unchanged) until they are done."""
         self._check_ids(block_ids)
         if tuple(src.shape) != self.payload_shape(len(block_ids)):
             raise ValueError(
                 f"payload shape {tuple(src.shape)} != {self.payload_shape(len(block_ids))}"
             )
         idx = self._index(block_ids)
-        for li, layer in enumerate(self.layers):
-            s = src[li]
-            if not self.on_host:
-                s = s.to(self.device, non_blocking=True)
-            layer.index_copy_(0, idx, s)
-
-    def synchronize(self) -> None:
-        if not self.on_host and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def side_stream(self) -> torch.cuda.Stream | None:
-        """A dedicated copy stream for loads and layer-wise saves (CUDA only)."""
-        if self.on_host or self.device.type != "cuda":
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        return self._stream
+        # One H2D copy of the whole chunk (a pinned ``src`` makes it async), then per layer
+        # one device-side index_copy_.
+        dsrc = src if self.on_host else src.to(self.device, non_blocking=True)
+        for li in range(self.num_layers):
+            s = dsrc[li]
+            if self.ratio > 1:
+                s = self._split(s)
+            self._grouped[li].index_copy_(0, idx, s)

@@ -32,6 +32,10 @@ class RecomputeRate:
     ``n`` more tokens in a step costs the slope: ``b * n``."""
 
     MIN_SAMPLES = 2
+    # No model prefills faster than 10M tokens/s. A slope below this is not a measurement
+    # of compute (timings of kernel launches fit a flat line: slope ~0), and trusting it
+    # would price every recompute at nothing and never load: treated as not yet measured.
+    MIN_SECONDS_PER_TOKEN = 1e-7
 
     def __init__(self) -> None:
         self._fit = SourceEstimator()
@@ -43,7 +47,8 @@ class RecomputeRate:
         est = self._fit.estimate("recompute")
         if est.samples < self.MIN_SAMPLES:
             return None
-        return 1.0 / est.bandwidth_bps
+        spt = 1.0 / est.bandwidth_bps
+        return spt if spt >= self.MIN_SECONDS_PER_TOKEN else None
 
     def cost_s(self, tokens: int) -> float | None:
         spt = self.seconds_per_token()

@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from connectors.kv_copy import KVCopier, SaveCopy
+from connectors.kv_device import KVDevice, Timing, device_for
 from connectors.vllm_common import (
     ConnectorArgs,
     ConnectorBase,
@@ -45,14 +47,11 @@ if TYPE_CHECKING:
 @dataclass
 class _StepSave:
     """One step's save: chunks (save, key, parent), and, on the zero-copy path, their
-    reserved slots, destination tensors ([L, n, *block] over each slot) and block indexes."""
+    reserved slots and the layer copies into them."""
 
     todo: list[tuple[SaveChunk, str, str | None]]
     res: SlotReservation | None
-    dests: list[torch.Tensor]
-    idx: list[torch.Tensor]
-    layers: set[int] = field(default_factory=set)  # layers whose copy was submitted
-    copies: list[Future[None]] = field(default_factory=list)
+    copy: SaveCopy | None = None
     t0: float = 0.0
     skipped: bool = False  # the agent is down: this step saves nothing
 
@@ -61,6 +60,8 @@ class WorkerSide(ConnectorBase):
     def __init__(self, args: ConnectorArgs) -> None:
         super().__init__(args)
         self._kv: PagedKV | None = None
+        self._dev: KVDevice = KVDevice()
+        self._copier: KVCopier | None = None
         self._save_staging: HostStaging | None = None
         self._loader: ThreadPoolExecutor | None = None
         # Saves: layer copies into reserved DRAM slots overlap the forward pass; checksum +
@@ -68,15 +69,16 @@ class WorkerSide(ConnectorBase):
         self._layerwise = _as_bool(self._extra.get("layerwise_save", True))
         self._copy_thread = _as_bool(self._extra.get("save_copy_thread", False))
         self._step_save: _StepSave | None = None
-        self._copy_pool: ThreadPoolExecutor | None = None
         self._finish_pool: ThreadPoolExecutor | None = None
         self._pending_commits: list[Future[None]] = []
-        self._save_stream: Any = None
         self._inflight: dict[str, Future[set[int]]] = {}
         self._load_errors: set[int] = set()
-        self._step_t0: float | None = None  # forward timing for the scheduler's rate
+        # Forward timing for the scheduler's rate: device timers (CUDA events: host clocks
+        # would time kernel launches), resolved once the device has run them.
+        self._step_timer: Any = None
         self._step_tokens = 0
         self._sync_load_s = 0.0
+        self._timings: list[tuple[int, Timing, float]] = []
         self._steps: list[tuple[int, float]] = []
 
         self._meta: KVConnectorMetadata | None = None  # this step's, bound by vLLM
@@ -98,33 +100,55 @@ class WorkerSide(ConnectorBase):
         if missing:
             logger.warning("TieredCacheConnector: layers outside the KV group ignored: %s", missing)
         layers = [kv_caches[n] for n in names]
-        kv = PagedKV(layers, names)
-        if dtype_name(kv.dtype) != self._id.dtype:
+        # Views may count kernel blocks (FlashInfer, FlashMLA, CUTLASS MLA split vLLM's
+        # blocks): PagedKV regroups them into blocks of --block-size tokens.
+        kv = PagedKV(layers, names, block_size=self._block_size)
+        if dtype_name(kv.dtype) != self._id.tensor_dtype:
             raise ValueError(
-                f"KV tensors are {dtype_name(kv.dtype)} but the fingerprint says {self._id.dtype}"
+                f"TieredCacheConnector: KV tensors are {dtype_name(kv.dtype)} but the "
+                f"cache spec says {self._id.tensor_dtype}"
             )
-        if len(kv.block_shape) >= 2 and kv.block_shape[-2] != self._block_size:
-            self._log_once(
-                "blockdim",
-                "KV block shape %s: token dim %d != block size %d; copying whole blocks anyway",
-                kv.block_shape,
-                kv.block_shape[-2],
-                self._block_size,
+        if len(kv.block_shape) == 3 and kv.block_shape[1] != self._block_size:
+            raise ValueError(
+                f"TieredCacheConnector: KV blocks hold {kv.block_shape[1]} tokens (views "
+                f"{tuple(layers[0].shape)}), not --block-size {self._block_size}: unsupported "
+                "KV cache layout"
             )
         self._kv = kv
-        self._save_staging = HostStaging(pin=not kv.on_host)
-        if kv.device.type == "cuda":
-            self._save_stream = torch.cuda.Stream(kv.device)
-        self._open_store()
+        self._dev = device_for(layers[0])
+        self._copier = KVCopier(kv, self._dev, copy_thread=self._copy_thread)
+        self._save_staging = HostStaging(pin=self._dev.needs_pinned)
         logger.info(
-            "TieredCacheConnector: %d layers, %d blocks of %s %s (%d B/block/layer) on %s",
+            "TieredCacheConnector: %d layers, %d blocks of %s %s (%d B/block/layer, kernel "
+            "blocks of %s tokens) on %s",
             kv.num_layers,
             kv.num_blocks,
             kv.block_shape,
             dtype_name(kv.dtype),
             kv.block_bytes,
+            kv.kernel_block_tokens or self._block_size,
             kv.device,
         )
+        try:
+            store = self._open_store()
+        except Exception as e:  # an agent that cannot start costs vLLM nothing: recompute
+            self._guard.failed(e if isinstance(e, OSError) else OSError(repr(e)))
+            self._log_once("open", "tiered cache unavailable (%r): vLLM recomputes", e)
+            return
+        self._pin_pool(store)
+
+    def _pin_pool(self, store: SlotStore) -> None:
+        """Page-lock this process's mapping of the DRAM pool (CUDA only), so loads and saves
+        DMA straight to and from it; the agent and the scheduler never pin it."""
+        pin = getattr(store, "pin_pool", None)
+        if not self._dev.needs_pinned or pin is None:
+            return
+        try:
+            ok = pin(self._dev.pin_host, self._dev.unpin_host)
+        except Exception as e:  # pageable copies are slower, not wrong
+            self._log_once("pin", "tiered cache: DRAM pool not page-locked: %r", e)
+            return
+        logger.info("TieredCacheConnector: DRAM pool %s", "page-locked" if ok else "pageable")
 
     def _worker_keys(self, chunks: Sequence[LoadChunk], tokens: Sequence[int] | None,
                      salt: str | None) -> list[str]:
@@ -150,14 +174,27 @@ class WorkerSide(ConnectorBase):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         self._meta = connector_metadata
-        # The forward pass runs from here to wait_for_save: timed for the scheduler's
-        # recompute-cost estimate (sync loads inside it are subtracted).
+        # The forward pass runs from here to wait_for_save: timed on the device for the
+        # scheduler's recompute-cost estimate (sync loads inside it are subtracted).
         tokens = getattr(connector_metadata, "step_tokens", 0)
-        self._step_t0 = time.perf_counter() if tokens else None
+        self._step_timer = self._dev.start_timer() if tokens and self._tp_rank == 0 else None
         self._step_tokens = int(tokens)
         self._sync_load_s = 0.0
 
+    def _collect_timings(self) -> None:
+        """Move forward timings the device has finished into ``_steps`` (never blocks)."""
+        pending: list[tuple[int, Timing, float]] = []
+        for tokens, timing, minus in self._timings:
+            sec = timing.seconds()
+            if sec is None:
+                pending.append((tokens, timing, minus))
+            elif sec - minus > 0:
+                self._steps.append((tokens, sec - minus))
+        self._timings = pending[-64:]
+        del self._steps[:-64]  # a scheduler that never collects must not grow us
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        self._collect_timings()
         if not self._steps:
             return None
         steps, self._steps = self._steps, []
@@ -225,8 +262,9 @@ class WorkerSide(ConnectorBase):
         t0 = time.perf_counter()
         keys = self._worker_keys(job.chunks, job.token_ids, job.cache_salt)
         digest = self._fp.digest
-        stream = kv.side_stream()
-        pinned = HostStaging(pin=True) if not kv.on_host else None
+        copier = self._copier
+        assert copier is not None
+        dev = self._dev
         reasons: dict[int, str] = {}
         kinds: dict[int, str] = {}  # recompute_fallbacks reason of a refused chunk
         nbytes: dict[int, int] = {}
@@ -245,17 +283,10 @@ class WorkerSide(ConnectorBase):
                     return
                 src = payload_tensor(payload, kv.dtype, kv.payload_shape(c.n_blocks))
                 src = src[:, c.lo : c.lo + len(c.block_ids)]
-                if pinned is not None:
-                    flat = pinned.reserve(src.numel() * src.element_size())
-                    host = flat[: src.numel() * src.element_size()].view(kv.dtype).view(src.shape)
-                    host.copy_(src)
-                    src = host
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        kv.scatter(c.block_ids, src)
-                    stream.synchronize()  # the source buffer is released after we return
-                else:
-                    kv.scatter(c.block_ids, src)
+                # The payload is valid only during this call: a page-locked pool is copied
+                # from directly (and waited for), anything else through pinned staging.
+                copier.load_chunk(c.block_ids, src,
+                                  src_pinned=dev.needs_pinned and src.is_pinned())  # fmt: skip
             except Exception as e:  # never let a bad chunk take the engine down
                 reasons[i], kinds[i] = f"copy failed: {e!r}", "copy_error"
 
@@ -263,7 +294,14 @@ class WorkerSide(ConnectorBase):
         failed_at: int | None = None
         for b0 in range(0, len(job.chunks), self._load_batch):
             chunks[:] = job.chunks[b0 : b0 + self._load_batch]
-            ok, sources, refused = _fetch(store, keys[b0 : b0 + self._load_batch], digest, sink)
+            copier.reserve_staging(sum(kv.payload_nbytes(len(c.block_ids)) for c in chunks))
+            copier.load_begin()
+            try:
+                ok, sources, refused = _fetch(
+                    store, keys[b0 : b0 + self._load_batch], digest, sink
+                )
+            finally:
+                copier.load_end()
             for i, c in enumerate(chunks):
                 if ok[i] and i not in reasons:
                     tier = c.origin or sources[i] or c.source or "unknown"
@@ -350,69 +388,34 @@ class WorkerSide(ConnectorBase):
         st = self._step_save
         if st is None:
             if not self._cache_up():
-                self._step_save = _StepSave([], None, [], [], skipped=True)
+                self._step_save = _StepSave([], None, skipped=True)
                 return
             try:
                 st = self._step_save = self._begin_save(meta)
             except OSError as e:  # the agent is unreachable: no saves this step
                 self._guard.failed(e)
-                self._step_save = _StepSave([], None, [], [], skipped=True)
+                self._step_save = _StepSave([], None, skipped=True)
                 return
             except Exception as e:  # wait_for_save retries the whole save
                 self._log_once(f"begin:{type(e).__name__}", "layer-wise save off: %r", e)
-                self._step_save = _StepSave([], None, [], [])
+                self._step_save = _StepSave([], None)
                 return
         li = kv.layer_index(layer_name)
-        if st.res is None or li is None or li in st.layers:
+        if st.copy is None or li is None:
             return
-        st.layers.add(li)
-        if kv.on_host and not self._copy_thread:
-            # On a CPU backend a helper thread overlaps nothing (the same cores compute),
-            # and its torch copy would start a second OpenMP team beside the engine's.
-            self._copy_layer_inner(st, li, None)
-            return
-        ev: Any = None
-        if not kv.on_host:  # the copy must follow this layer's kernels on the compute stream
-            ev = torch.cuda.Event()
-            ev.record()
-        st.copies.append(self._copier().submit(self._copy_layer, st, li, ev))
-
-    def _copier(self) -> ThreadPoolExecutor:
-        if self._copy_pool is None:
-            self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="tc-save-copy")
-        return self._copy_pool
+        assert self._copier is not None
+        self._copier.save_layer(st.copy, li)
 
     def _finisher(self) -> ThreadPoolExecutor:
         if self._finish_pool is None:
             self._finish_pool = ThreadPoolExecutor(1, thread_name_prefix="tc-save-commit")
         return self._finish_pool
 
-    def _copy_layer(self, st: _StepSave, li: int, ev: Any) -> None:
-        # The destinations were made inside vLLM's inference mode; writing them from
-        # another thread needs that mode there too.
-        with torch.inference_mode():
-            self._copy_layer_inner(st, li, ev)
-
-    def _copy_layer_inner(self, st: _StepSave, li: int, ev: Any) -> None:
-        kv = self._kv
-        assert kv is not None
-        stream = self._save_stream
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                stream.wait_event(ev)
-                for idx, dst in zip(st.idx, st.dests, strict=True):
-                    kv.gather_layer(li, idx, dst[li])
-        else:
-            for idx, dst in zip(st.idx, st.dests, strict=True):
-                kv.gather_layer(li, idx, dst[li])
-
     def wait_for_save(self) -> None:
-        if self._step_t0 is not None:  # the forward pass just ended
-            dt = time.perf_counter() - self._step_t0 - self._sync_load_s
-            if dt > 0 and self._tp_rank == 0:
-                self._steps.append((self._step_tokens, dt))
-                del self._steps[:-64]  # a scheduler that never collects must not grow us
-            self._step_t0 = None
+        if self._step_timer is not None:  # the forward pass was just queued
+            timing = self._dev.stop_timer(self._step_timer)
+            self._timings.append((self._step_tokens, timing, self._sync_load_s))
+            self._step_timer = None
         st, self._step_save = self._step_save, None
         if not self.has_connector_metadata():
             return
@@ -439,6 +442,7 @@ class WorkerSide(ConnectorBase):
                     )
                     logger.debug("zero-copy save failure", exc_info=True)
                     st.res = None
+                    st.copy = None
             self._save_staged(st)
         except OSError as e:  # the agent went away: later steps skip saving until it is back
             self._guard.failed(e)
@@ -472,7 +476,7 @@ class WorkerSide(ConnectorBase):
             if key not in seen:
                 seen.add(key)
                 todo.append((s, key, parent))
-        st = _StepSave(todo, None, [], [], t0=time.perf_counter())
+        st = _StepSave(todo, None, t0=time.perf_counter())
         if not todo:
             return st
         sizes = [kv.payload_nbytes(len(s.block_ids)) for s, _, _ in todo]
@@ -480,28 +484,19 @@ class WorkerSide(ConnectorBase):
         if res is None:
             return st  # no room for all of them in DRAM: the staged path copes
         st.res = res
-        st.dests = [
+        dests = [
             payload_tensor(v, kv.dtype, kv.payload_shape(len(s.block_ids)))
             for v, (s, _, _) in zip(res.views, todo, strict=True)
         ]
-        st.idx = [kv.index(s.block_ids) for s, _, _ in todo]
+        assert self._copier is not None
+        st.copy = self._copier.begin_save([s.block_ids for s, _, _ in todo], dests)
         return st
 
     def _finish_copies(self, st: _StepSave) -> None:
         """Join the layer copies (copying any layer the model never reported), then hand
         checksum + commit to a helper thread: vLLM may reuse the blocks once this returns."""
-        kv = self._kv
-        assert kv is not None and st.res is not None
-        for f in st.copies:
-            f.result()
-        with torch.inference_mode():
-            for li in range(kv.num_layers):
-                if li not in st.layers:
-                    for idx, dst in zip(st.idx, st.dests, strict=True):
-                        kv.gather_layer(li, idx, dst[li])
-        if self._save_stream is not None:
-            self._save_stream.synchronize()
-        kv.synchronize()
+        assert st.res is not None and st.copy is not None and self._copier is not None
+        self._copier.finish_save(st.copy)
         store = self._open_store()
         metas = [self._chunk_meta(s, key, parent) for s, key, parent in st.todo]
         nbytes = sum(v.nbytes for v in st.res.views)
@@ -570,10 +565,10 @@ class WorkerSide(ConnectorBase):
                 nb = len(s.block_ids)
                 n = kv.payload_nbytes(nb)
                 flat = buf[off : off + n]
-                kv.gather(s.block_ids, flat.view(kv.dtype).view(kv.payload_shape(nb)))
+                assert self._copier is not None
+                self._copier.gather(s.block_ids, flat.view(kv.dtype).view(kv.payload_shape(nb)))
                 items.append((self._chunk_meta(s, key, parent), flat.numpy().data))
                 off += n
-            kv.synchronize()
             # put_many returns once the bytes are copied out of staging.
             store.put_many(items)
             nbytes_total += off
@@ -581,10 +576,11 @@ class WorkerSide(ConnectorBase):
 
     def shutdown(self) -> None:
         self.drain_saves(timeout=60)
-        for pool in (self._copy_pool, self._finish_pool):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._copy_pool = self._finish_pool = None
+        if self._copier is not None:
+            self._copier.close()
+        if self._finish_pool is not None:
+            self._finish_pool.shutdown(wait=True)
+        self._finish_pool = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None

@@ -835,13 +835,14 @@ def test_zero_copy_save_is_copied_out_before_wait_for_save_returns(
             p.worker.save_kv_layer(f"model.layers.{i}.self_attn.attn", p.layers[i], None)
             step = p.worker.worker._step_save
             if layerwise:  # KV in host memory: the layer is in its slots when the hook returns
-                assert step is not None and step.res is not None
-                for idx, dst in zip(step.idx, step.dests, strict=True):
+                assert step is not None and step.res is not None and step.copy is not None
+                for idx, dst in zip(step.copy.idx, step.copy.dests, strict=True):
                     assert torch.equal(dst[i], p.layers[i][idx])
-        assert p.worker.worker._copy_pool is None  # no second OpenMP team on a CPU backend
+        copier = p.worker.worker._copier
+        assert copier is not None and copier._pool is None  # no second OpenMP team on a CPU
         step = p.worker.worker._step_save
         assert (step is not None and step.res is not None) is layerwise  # slots reserved
-        assert step is None or len(step.layers) == LAYERS
+        assert step is None or step.copy is None or len(step.copy.layers) == LAYERS
         p.worker.wait_for_save()
     for t in p.layers:  # vLLM reuses the blocks for another request
         t.zero_()

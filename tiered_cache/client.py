@@ -93,6 +93,9 @@ class AgentClient:
         self._state_lock = threading.Lock()
         self._shm: Any = None
         self._stale: list[Any] = []
+        # Set by a GPU worker (pin_pool): page-locks each mapping of the pool it copies from.
+        self._pin_host: Callable[[memoryview], bool] | None = None
+        self._unpin_host: Callable[[memoryview], None] | None = None
         self._buf: memoryview | None = None
         self._index: SlotIndexReader | None = None
         self._touches: list[list[Any]] = []  # direct DRAM hits not yet reported
@@ -101,7 +104,6 @@ class AgentClient:
         self._connect()
 
     def _connect(self) -> None:
-        from tiered_cache.cuda_host import maybe_pin_host_memory
         from tiered_cache.tiers.dram import attach_shm, prefault
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -127,7 +129,8 @@ class AgentClient:
         buf = memoryview(shm.buf) if shm is not None and shm.buf is not None else None
         if buf is not None:
             prefault(buf, write=False)
-            maybe_pin_host_memory(buf)
+            if self._pin_host is not None:  # a GPU worker's pool, remapped: pin it again
+                self._pin_host(buf)
         index = None
         if buf is not None and hello.get("index_shm"):
             try:
@@ -600,6 +603,14 @@ class AgentClient:
     def admin(self, op: str, **kw: Any) -> dict[str, Any]:
         return self._retry(lambda: self._call(request(op, **kw)))
 
+    def pin_pool(
+        self, pin: Callable[[memoryview], bool], unpin: Callable[[memoryview], None]
+    ) -> bool:
+        """Page-lock the DRAM pool with ``pin`` now and after every remap; ``unpin`` runs
+        before a mapping is closed. Only a process that DMA-copies to a GPU calls this."""
+        self._pin_host, self._unpin_host = pin, unpin
+        return self._buf is not None and pin(self._buf)
+
     def close(self) -> None:
         try:
             with self._state_lock:
@@ -619,6 +630,8 @@ class AgentClient:
                 if isinstance(ix, SlotIndexReader):
                     ix.close()
             self._index = None
+            if self._unpin_host is not None and self._buf is not None:
+                self._unpin_host(self._buf)
             try:
                 if self._buf is not None:
                     self._buf.release()

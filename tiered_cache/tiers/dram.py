@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 from tiered_cache import codec
-from tiered_cache.cuda_host import maybe_pin_host_memory
 from tiered_cache.keys import is_valid_key
 from tiered_cache.private_dir import UnsafePath, refuse_foreign
 from tiered_cache.tiers.base import SlotTier, TierFull, TierUsage
@@ -237,7 +236,8 @@ class DRAMTier(SlotTier):
         self._buf = memoryview(self._shm.buf)[: self.pool_bytes]
         if created:
             prefault(self._buf, write=True)
-        self.pinned_host = maybe_pin_host_memory(self._buf)
+        # Never page-locked here: the agent copies nothing to a GPU, and registering would
+        # create a CUDA context in it. The GPU worker pins its own mapping (client.pin_pool).
         self._runs: dict[int, _Run] = {}  # first slot -> run (committed, reserved, zombie)
         self._index: dict[str, int] = {}
         self._leased: set[int] = set()  # slots of runs with leases > 0
