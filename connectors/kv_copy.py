@@ -63,7 +63,8 @@ class KVCopier:
     def _stage(self) -> _Staging:
         st: _Staging | None = getattr(self._local, "staging", None)
         if st is None:
-            st = self._local.staging = _Staging(HostStaging(pin=self.dev.needs_pinned))
+            pin = self.dev.needs_pinned and self.dev.kind == "cuda"
+            st = self._local.staging = _Staging(HostStaging(pin=pin))
         return st
 
     # ------------------------------------------------------------------------ saves
