@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connectors.kv_copy import KVCopier  # noqa: E402
-from connectors.kv_device import KVDevice, device_for  # noqa: E402
-from connectors.vllm_kvio import PagedKV, chunk_spans, payload_tensor  # noqa: E402
-from tiered_cache.tiers.dram import DRAMTier  # noqa: E402
+from connectors.kv_copy import KVCopier
+from connectors.kv_device import KVDevice, device_for
+from connectors.vllm_kvio import PagedKV, chunk_spans, payload_tensor
+from tiered_cache.tiers.dram import DRAMTier
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,15 @@ SHAPES = (
 
 
 def kv_caches(s: Shape, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    """One backing buffer, one [B, H, N, 2*hs] view per layer in the LBNHC layout, as vLLM
-    0.32 allocates them (``allocate_kv_cache``)."""
+    """One backing buffer, one [B, H, N, 2*hs] view per layer, as vLLM 0.32 allocates them
+    (``allocate_kv_cache``): LBNHC (FlashAttention's default) on CUDA, LBHNC (the only
+    layout the CPU backend takes) on CPU."""
     raw = torch.empty(s.layers * num_blocks * s.block * s.heads * 2 * s.head_size,
                       dtype=s.dtype, device=device)  # fmt: skip
     raw.normal_()
+    if device.type == "cpu":
+        full = raw.view(s.layers, num_blocks, s.heads, s.block, 2 * s.head_size)
+        return [full[i] for i in range(s.layers)]
     full = raw.view(s.layers, num_blocks, s.block, s.heads, 2 * s.head_size)
     return [full[i].permute(0, 2, 1, 3) for i in range(s.layers)]  # [B, H, N, C] views
 
@@ -101,11 +105,12 @@ def bench_shape(s: Shape, tokens: int, runs: int, device: torch.device, *,
     total = kv.payload_nbytes(nblk)
     dram = DRAMTier(total + (64 << 20), 1 << 20, shm_name=f"tc-bench-{uuid.uuid4().hex[:8]}")
     pinned = dev.pin_host(dram._buf)
+    dests: list[torch.Tensor] = []
     try:
         slots = [dram.reserve(kv.payload_nbytes(sp.num_blocks)) for sp in spans]
-        dests = [
+        dests[:] = [
             payload_tensor(dram.slot_view(sl)[: kv.payload_nbytes(sp.num_blocks)], kv.dtype,
-                           kv.payload_shape(sp.num_blocks))  # fmt: skip
+                           kv.payload_shape(sp.num_blocks))
             for sl, sp in zip(slots, spans, strict=True)
         ]
         ids = [src_ids[sp.first_block : sp.end_block] for sp in spans]
@@ -133,6 +138,7 @@ def bench_shape(s: Shape, tokens: int, runs: int, device: torch.device, *,
         t_d2h = median_s(lambda: host.copy_(devbuf, non_blocking=True), runs, dev)
         t_h2d = median_s(lambda: devbuf.copy_(host, non_blocking=True), runs, dev)
     finally:
+        dests.clear()  # views into the pool: released before it closes
         dev.unpin_host(dram._buf)
         cp.close()
         asyncio.run(dram.close())

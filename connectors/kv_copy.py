@@ -44,6 +44,10 @@ class SaveCopy:
 
     dests: list[torch.Tensor]
     idx: list[torch.Tensor]
+    # Every chunk's blocks in one index, and each chunk's rows of it: on a GPU one gather
+    # kernel per layer serves all chunks.
+    idx_all: torch.Tensor | None = None
+    parts: list[tuple[int, int]] = field(default_factory=list)
     layers: set[int] = field(default_factory=set)
     copies: list[Future[None]] = field(default_factory=list)
 
@@ -70,7 +74,14 @@ class KVCopier:
     # ------------------------------------------------------------------------ saves
 
     def begin_save(self, block_ids: Sequence[Sequence[int]], dests: list[torch.Tensor]) -> SaveCopy:
-        return SaveCopy(dests, [self.kv.index(b) for b in block_ids])
+        if self.kv.on_host:  # index_select straight into each slot: no staging copy
+            return SaveCopy(dests, [self.kv.index(b) for b in block_ids])
+        flat = [b for ids in block_ids for b in ids]
+        parts, a = [], 0
+        for ids in block_ids:
+            parts.append((a, a + len(ids)))
+            a += len(ids)
+        return SaveCopy(dests, [], self.kv.index(flat), parts)
 
     def save_layer(self, sc: SaveCopy, li: int) -> None:
         """Copy layer ``li``'s blocks of every chunk into their slots, after the kernels
@@ -101,6 +112,13 @@ class KVCopier:
     def _copy_layer_now(self, sc: SaveCopy, li: int, ev: Any) -> None:
         with self.dev.on_copy_stream():
             self.dev.copy_wait_event(ev)
+            self._gather(sc, li)
+
+    def _gather(self, sc: SaveCopy, li: int) -> None:
+        if sc.idx_all is not None:
+            parts = [(a, b, d[li]) for (a, b), d in zip(sc.parts, sc.dests, strict=True)]
+            self.kv.gather_layer_parts(li, sc.idx_all, parts)
+        else:
             for idx, dst in zip(sc.idx, sc.dests, strict=True):
                 self.kv.gather_layer(li, idx, dst[li])
 
@@ -116,8 +134,7 @@ class KVCopier:
             with torch.inference_mode(), self.dev.on_copy_stream():
                 self.dev.copy_wait_event(ev)
                 for li in missing:
-                    for idx, dst in zip(sc.idx, sc.dests, strict=True):
-                        self.kv.gather_layer(li, idx, dst[li])
+                    self._gather(sc, li)
         self.dev.sync_copies()
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:

@@ -228,6 +228,12 @@ class PagedKV:
         self.device = first.device
         self.on_host = first.device.type == "cpu"
         self.block_bytes = math.prod(shape) * first.element_size()
+        # All layers as one [L, B, ...] view when vLLM laid them out at one stride in one
+        # buffer (it does: allocate_kv_cache): a load then writes every layer of a chunk with
+        # one kernel instead of one per layer.
+        self._stack = _stacked(self.layers)
+        if self._stack is not None and self.ratio > 1:
+            self._stack = self._stack.unflatten(1, (nb, self.ratio))
 
     @property
     def kernel_block_tokens(self) -> int | None:
@@ -242,7 +248,7 @@ class PagedKV:
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         idx = torch.tensor(list(block_ids), dtype=torch.long)
-        if self.on_host:
+        if self.device.type == "cpu":
             return idx
         return idx.pin_memory().to(self.device, non_blocking=True)
 
@@ -258,6 +264,22 @@ class PagedKV:
         n = t.shape[0]
         h, tok, c = self.block_shape
         return t.view(n, h, self.ratio, tok // self.ratio, c).permute(0, 2, 1, 3, 4)
+
+    def gather_layer_parts(
+        self, li: int, idx: torch.Tensor, parts: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Layer ``li``'s blocks ``idx`` into several host tensors: rows [a, b) of ``idx``
+        into ``out`` ([b - a, *block]) for each ``(a, b, out)``. On an accelerator one gather
+        kernel serves them all, then one copy per part leaves the device."""
+        if self.on_host:
+            for a, b, out in parts:
+                self.gather_layer(li, idx[a:b], out)
+            return
+        g = self._grouped[li].index_select(0, idx)
+        if self.ratio > 1:
+            g = g.permute(0, 2, 1, 3, 4).reshape(g.shape[0], *self.block_shape)
+        for a, b, out in parts:
+            out.copy_(g[a:b], non_blocking=True)
 
     def gather_layer(self, li: int, idx: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the blocks ``idx`` (from ``index``) of layer ``li`` into ``out`` ([n, *block],
@@ -291,6 +313,12 @@ class PagedKV:
                 self.gather_layer(li, idx, out[li])
             return
         # Gather every layer on the device, then one large D2H copy.
+        if self._stack is not None:
+            g = self._stack.index_select(1, idx)  # [L, n, (r,) H, N, C]
+            if self.ratio > 1:
+                g = g.permute(0, 1, 3, 2, 4, 5)
+            out.copy_(g.reshape(out.shape), non_blocking=True)
+            return
         dev = torch.empty(out.shape, dtype=out.dtype, device=self.device)
         for li in range(self.num_layers):
             if self.ratio == 1:
@@ -313,8 +341,38 @@ class PagedKV:
         # One H2D copy of the whole chunk (a pinned ``src`` makes it async), then per layer
         # one device-side index_copy_.
         dsrc = src if self.on_host else src.to(self.device, non_blocking=True)
+        if self._stack is not None and not self.on_host:
+            if self.ratio > 1:  # [L, n, H, r*N, C] -> [L, n, r, H, N, C]
+                h, tok, c = self.block_shape
+                n = len(block_ids)
+                dsrc = dsrc.view(self.num_layers, n, h, self.ratio, tok // self.ratio, c)
+                dsrc = dsrc.permute(0, 1, 3, 2, 4, 5)
+            self._stack.index_copy_(1, idx, dsrc)
+            return
         for li in range(self.num_layers):
             s = dsrc[li]
             if self.ratio > 1:
                 s = self._split(s)
             self._grouped[li].index_copy_(0, idx, s)
+
+
+def _stacked(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``[L, *shape]`` over layers that are equally strided views of one storage, each the
+    same distance past the last (else None)."""
+    first = layers[0]
+    if len(layers) < 2:
+        return first.unsqueeze(0)
+    base = first.untyped_storage().data_ptr()
+    step = layers[1].storage_offset() - first.storage_offset()
+    if step <= 0:
+        return None
+    for i, t in enumerate(layers):
+        if (
+            t.untyped_storage().data_ptr() != base
+            or t.stride() != first.stride()
+            or t.storage_offset() - first.storage_offset() != i * step
+        ):
+            return None
+    return torch.as_strided(
+        first, (len(layers), *first.shape), (step, *first.stride()), first.storage_offset()
+    )

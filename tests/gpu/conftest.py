@@ -5,6 +5,7 @@ no vLLM) runs them as ``pytest --confcutdir=tests/gpu tests/gpu``."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import uuid
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ def dram(device: torch.device) -> Iterator[Any]:
     pinned = dev.pin_host(tier._buf)
     assert pinned == (device.type == "cuda")
     yield tier
+    gc.collect()  # payload tensors over the pool, before it closes
     dev.unpin_host(tier._buf)
     asyncio.run(tier.close())
 

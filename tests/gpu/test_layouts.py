@@ -64,7 +64,10 @@ class Cache:
 
 def make_cache(case: tuple[str, str, str, int], device: torch.device, *,
                num_blocks: int = NUM_BLOCKS,
-               copy_thread: bool = False, fill: int | None = None) -> Cache:
+               copy_thread: bool = False, fill: int | None = None,
+               device_path: bool = False) -> Cache:
+    """``device_path``: on CPU tensors, run the code a GPU runs (one gather per layer for all
+    chunks, all layers' scatter in one kernel, copies to and from host buffers)."""
     name, layout, dt, bs = case
     b = BY_NAME[name]
     spec = spec_for(b, dt, bs, num_blocks=num_blocks)
@@ -75,6 +78,8 @@ def make_cache(case: tuple[str, str, str, int], device: torch.device, *,
         raw.fill_(fill)
     kv = PagedKV(views, [f"layer.{i}" for i in range(len(views))], block_size=bs)
     assert kv.num_blocks == num_blocks and kv.block_shape == (spec.num_heads, bs, spec.content)
+    if device_path:
+        kv.on_host = False
     return Cache(spec, raw, views, kv, KVCopier(kv, device_for(views[0]), copy_thread=copy_thread))
 
 
@@ -161,10 +166,11 @@ def check(src: Cache, dst: Cache, src_blocks: list[int], dst_blocks: list[int],
 
 def round_trip(case: tuple[str, str, str, int], dst_case: tuple[str, str, str, int],
                device: torch.device, dram: Any, nvme: Any, *, prompt_len: int, chunk_blocks: int,
-               perm_seed: int, tier: str, copy_thread: bool, skip_layers: set[int]) -> None:
+               perm_seed: int, tier: str, copy_thread: bool, skip_layers: set[int],
+               device_path: bool) -> None:
     bs = case[3]
-    src = make_cache(case, device, copy_thread=copy_thread)
-    dst = make_cache(dst_case, device, fill=0x5A)
+    src = make_cache(case, device, copy_thread=copy_thread, device_path=device_path)
+    dst = make_cache(dst_case, device, fill=0x5A, device_path=device_path)
     before = canonical(dst.views, bs).cpu()
     g = torch.Generator().manual_seed(perm_seed)
     src_blocks = torch.randperm(src.kv.num_blocks, generator=g).tolist()
@@ -186,7 +192,8 @@ def test_every_backend_layout_round_trips(case: tuple[str, str, str, int], devic
                                           dram: Any, nvme: Any) -> None:
     bs = case[3]
     round_trip(case, case, device, dram, nvme, prompt_len=7 * bs + bs // 2 + 1,
-               chunk_blocks=2, perm_seed=1, tier="dram", copy_thread=False, skip_layers={1})
+               chunk_blocks=2, perm_seed=1, tier="dram", copy_thread=False, skip_layers={1},
+               device_path=True)
 
 
 def _compatible(case: tuple[str, str, str, int]) -> list[tuple[str, str, str, int]]:
@@ -212,6 +219,7 @@ def test_round_trip_property(data: st.DataObject, device: torch.device, dram: An
         tier=data.draw(st.sampled_from(["dram", "nvme"]), "tier"),
         copy_thread=data.draw(st.booleans(), "copy_thread"),
         skip_layers=data.draw(st.sets(st.integers(0, 2), max_size=3), "skip_layers"),
+        device_path=data.draw(st.booleans(), "device_path"),
     )
 
 
