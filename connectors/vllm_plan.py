@@ -32,23 +32,29 @@ class RecomputeRate:
     ``n`` more tokens in a step costs the slope: ``b * n``."""
 
     MIN_SAMPLES = 2
-    # No model prefills faster than 10M tokens/s. A slope below this is not a measurement
-    # of compute (timings of kernel launches fit a flat line: slope ~0), and trusting it
-    # would price every recompute at nothing and never load: treated as not yet measured.
+    # No model prefills faster than 10M tokens/s.
     MIN_SECONDS_PER_TOKEN = 1e-7
 
     def __init__(self) -> None:
         self._fit = SourceEstimator()
+        self._max_tokens = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         self._fit.observe("recompute", tokens, seconds)
+        self._max_tokens = max(self._max_tokens, tokens)
 
     def seconds_per_token(self) -> float | None:
+        """The fitted slope, or None (unmeasured: load what was found) while the timings do
+        not grow with the tokens. Timings of kernel launches (a host clock around a CUDA
+        forward) fit a flat line: their slope would price every recompute at nothing and
+        never load. A real forward's largest step costs more in tokens than in overhead."""
         est = self._fit.estimate("recompute")
         if est.samples < self.MIN_SAMPLES:
             return None
         spt = 1.0 / est.bandwidth_bps
-        return spt if spt >= self.MIN_SECONDS_PER_TOKEN else None
+        if spt < self.MIN_SECONDS_PER_TOKEN or spt * self._max_tokens < est.latency_s:
+            return None
+        return spt
 
     def cost_s(self, tokens: int) -> float | None:
         spt = self.seconds_per_token()

@@ -70,11 +70,14 @@ class WorkerSide(ConnectorBase):
         self._copy_thread = _as_bool(self._extra.get("save_copy_thread", False))
         self._step_save: _StepSave | None = None
         self._finish_pool: ThreadPoolExecutor | None = None
+        self._prep_pool: ThreadPoolExecutor | None = None
+        self._save_prep: Future[_StepSave] | None = None
         self._pending_commits: list[Future[None]] = []
         self._inflight: dict[str, Future[set[int]]] = {}
         self._load_errors: set[int] = set()
         # Forward timing for the scheduler's rate: device timers (CUDA events: host clocks
         # would time kernel launches), resolved once the device has run them.
+        self._timing = False
         self._step_timer: Any = None
         self._step_tokens = 0
         self._sync_load_s = 0.0
@@ -177,9 +180,28 @@ class WorkerSide(ConnectorBase):
         # The forward pass runs from here to wait_for_save: timed on the device for the
         # scheduler's recompute-cost estimate (sync loads inside it are subtracted).
         tokens = getattr(connector_metadata, "step_tokens", 0)
-        self._step_timer = self._dev.start_timer() if tokens and self._tp_rank == 0 else None
+        self._timing = bool(tokens) and self._tp_rank == 0
+        self._step_timer = self._dev.start_timer() if self._timing else None
         self._step_tokens = int(tokens)
         self._sync_load_s = 0.0
+        # On a GPU the forward's kernels are launched ahead of the device: reserving the
+        # step's DRAM slots (a round trip to the agent) starts now on a helper thread
+        # rather than blocking those launches between layer 0 and layer 1.
+        self._save_prep = None
+        meta = connector_metadata
+        if (self._layerwise and self._dev.kind != "cpu" and self._kv is not None
+                and isinstance(meta, TieredCacheConnectorMetadata) and meta.saves
+                and self._cache_up()):  # fmt: skip
+            if self._prep_pool is None:
+                self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="tc-save-prep")
+            self._save_prep = self._prep_pool.submit(self._begin_save, meta)
+
+    def _prepared_save(self, meta: TieredCacheConnectorMetadata) -> _StepSave:
+        """The step's save: reserved ahead by ``bind_connector_metadata``, or now."""
+        prep, self._save_prep = self._save_prep, None
+        if prep is not None:
+            return prep.result()
+        return self._begin_save(meta)
 
     def _collect_timings(self) -> None:
         """Move forward timings the device has finished into ``_steps`` (never blocks)."""
@@ -391,7 +413,7 @@ class WorkerSide(ConnectorBase):
                 self._step_save = _StepSave([], None, skipped=True)
                 return
             try:
-                st = self._step_save = self._begin_save(meta)
+                st = self._step_save = self._prepared_save(meta)
             except OSError as e:  # the agent is unreachable: no saves this step
                 self._guard.failed(e)
                 self._step_save = _StepSave([], None, skipped=True)
@@ -412,11 +434,15 @@ class WorkerSide(ConnectorBase):
         return self._finish_pool
 
     def wait_for_save(self) -> None:
-        if self._step_timer is not None:  # the forward pass was just queued
+        if self._timing:  # the forward pass was just queued
             timing = self._dev.stop_timer(self._step_timer)
             self._timings.append((self._step_tokens, timing, self._sync_load_s))
-            self._step_timer = None
+            self._timing, self._step_timer = False, None
         st, self._step_save = self._step_save, None
+        if st is None and self._save_prep is not None:  # no layer reported: take it now
+            with contextlib.suppress(Exception):  # a failed one is retried below
+                st = self._prepared_save(self._get_connector_metadata())  # type: ignore[arg-type]
+        self._save_prep = None
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -578,9 +604,10 @@ class WorkerSide(ConnectorBase):
         self.drain_saves(timeout=60)
         if self._copier is not None:
             self._copier.close()
-        if self._finish_pool is not None:
-            self._finish_pool.shutdown(wait=True)
-        self._finish_pool = None
+        for pool in (self._finish_pool, self._prep_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._finish_pool = self._prep_pool = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None

@@ -36,7 +36,8 @@ CONNECTOR_SRC = textwrap.dedent(
 
     BS, CHUNK, LAYERS, H, HS = 16, 64, 2, 2, 8
 
-    def make_connector(model, role, kv_role, mc=None, **extra):
+    def make_connector(model, role, kv_role, mc=None, cache=None, parallel=None,
+                       spec_dtype=torch.float32, **extra):
         import connectors.vllm as mod
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -53,12 +54,16 @@ CONNECTOR_SRC = textwrap.dedent(
         cfg = SimpleNamespace(
             kv_transfer_config=ktc,
             model_config=SimpleNamespace(model=model, dtype=torch.float32, **(mc or {})),
-            cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout="LBHNC"),
-            parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+            cache_config=SimpleNamespace(
+                **{"cache_dtype": "auto", "kv_cache_layout": "LBHNC", **(cache or {})}
+            ),
+            parallel_config=SimpleNamespace(
+                **{"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **(parallel or {})}
+            ),
             load_config=SimpleNamespace(download_dir=None, load_format="auto"),
         )
         spec = FullAttentionSpec(
-            block_size=BS, num_kv_heads=H, head_size=HS, dtype=torch.float32
+            block_size=BS, num_kv_heads=H, head_size=HS, dtype=spec_dtype
         )
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         kcc = KVCacheConfig(

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -698,11 +698,33 @@ def connect(
             raise
     from tiered_cache.agent import EmbeddedAgent
 
-    with _embedded_lock:
+    # Several processes (the TP ranks of one vLLM) may find no agent at once; a second
+    # embedded agent would unlink the first's socket and pool. One starts it under a file
+    # lock beside the socket; the others wait, then connect to it.
+    with _embedded_lock, _start_lock(path):
         if path not in _embedded:
+            try:
+                return AgentClient(path, verify_dram_reads=verify_dram_reads,
+                                   attach_pool=attach_pool, timeout=timeout)  # fmt: skip
+            except (FileNotFoundError, ConnectionRefusedError, IPCError, OSError):
+                pass
             log.info("no node agent at %s: starting an embedded one", path)
             _embedded[path] = EmbeddedAgent(cfg)
     return AgentClient(path, verify_dram_reads=verify_dram_reads, timeout=timeout)
+
+
+@contextlib.contextmanager
+def _start_lock(socket_path: str) -> Iterator[None]:
+    """An exclusive lock shared by every process that may start an agent on ``socket_path``."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(os.path.abspath(socket_path)), exist_ok=True)
+    fd = os.open(socket_path + ".start-lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
