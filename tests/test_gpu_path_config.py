@@ -16,7 +16,7 @@ from tiered_cache.api import MemoryChunkStore
 
 pytest.importorskip("vllm")
 
-from test_model_identity import fingerprint, make_connector  # noqa: E402
+from test_model_identity import fingerprint, make_connector
 
 
 @pytest.fixture
@@ -142,10 +142,10 @@ def test_on_a_gpu_the_slot_round_trip_runs_before_the_forward_not_inside_it(
     """Reserving the step's slots is a round trip to the agent; on a GPU it starts when the
     step's metadata is bound, on a helper thread, instead of blocking kernel launches
     between layer 0 and layer 1."""
+    from gpu.fakes import RecordingDevice
     from test_model_identity import BLOCKS, LAYERS, PROMPT
 
     import tiered_cache.client as client
-    from gpu.fakes import RecordingDevice
 
     st = _SlotStore()
     monkeypatch.setattr(client, "open_store", lambda extra: st)
