@@ -100,6 +100,14 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def splittable(spec: KVShape, layout: str) -> bool:
+    """Whether vLLM may split blocks into kernel blocks in ``layout``: only where a block
+    is one dense page (``create_kv_cache_views``): L and B outermost, or a layout that
+    reduces to it (one head)."""
+    shape = (spec.num_layers, spec.num_blocks, spec.num_heads, spec.block_size, spec.content)
+    return natural_strides(shape, LAYOUTS[layout])[1] == spec.num_heads * spec.block_size * spec.content
+
+
 def natural_strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
     """Dense strides of logical ``shape`` stored in physical ``order`` (innermost last)."""
     strides = [0] * len(shape)
@@ -120,7 +128,7 @@ def build_kv_caches(
     if spec.block_size % kbs:
         raise ValueError(f"kernel block {kbs} does not divide block {spec.block_size}")
     ratio = spec.block_size // kbs
-    if ratio > 1 and order[0] != 0:
+    if ratio > 1 and not splittable(spec, layout):
         # create_kv_cache_views refuses: a block is not one dense page in this layout.
         raise ValueError(f"{layout} cannot split blocks into kernel blocks")
     shape = (spec.num_layers, spec.num_blocks * ratio, spec.num_heads, kbs, spec.content)
@@ -148,8 +156,8 @@ def cases(block_sizes: tuple[int, ...] = (16, 64, 256),
                     kbs = b.kernel_block_size(bs)
                 except ValueError:
                     continue
-                if kbs != bs and LAYOUTS[layout][0] != 0:
-                    continue  # vLLM refuses to split blocks in block-outermost layouts
+                if kbs != bs and not splittable(spec_for(b, "bfloat16", bs), layout):
+                    continue  # vLLM refuses to split blocks that are not dense pages
                 for dt in dtypes:
                     out.append((b.name, layout, dt, bs))
     return out
