@@ -281,6 +281,14 @@ class PagedKV:
         for a, b, out in parts:
             out.copy_(g[a:b], non_blocking=True)
 
+    def gather_layer_local(self, li: int, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Layer ``li``'s blocks ``idx`` into ``out`` ([n, *block_shape]) on the KV's own
+        device, in canonical order: one kernel, nothing leaves the device."""
+        if self.ratio == 1:
+            torch.index_select(self.layers[li], 0, idx, out=out)
+        else:
+            self._split(out).copy_(self._grouped[li].index_select(0, idx))
+
     def gather_layer(self, li: int, idx: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the blocks ``idx`` (from ``index``) of layer ``li`` into ``out`` ([n, *block],
         host). On an accelerator it is queued on the current stream."""
