@@ -143,7 +143,7 @@ def test_on_a_gpu_the_slot_round_trip_runs_before_the_forward_not_inside_it(
     step's metadata is bound, on a helper thread, instead of blocking kernel launches
     between layer 0 and layer 1."""
     from gpu.fakes import RecordingDevice
-    from test_model_identity import BLOCKS, LAYERS, PROMPT
+    from test_model_identity import BLOCKS, LAYERS, schedule_prompt
 
     import tiered_cache.client as client
 
@@ -156,19 +156,7 @@ def test_on_a_gpu_the_slot_round_trip_runs_before_the_forward_not_inside_it(
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     worker.register_kv_caches(dict(zip(names, layers, strict=True)))
     worker.worker._dev = RecordingDevice()  # not a CPU: kernels would run ahead
-    from types import SimpleNamespace
-
-    req = SimpleNamespace(request_id="p1", prompt_token_ids=PROMPT, cache_salt=None,
-                          kv_transfer_params=None, mm_features=[], lora_request=None)  # fmt: skip
-    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (BLOCKS,)), 0)
-    so = SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id="p1", prompt_token_ids=PROMPT,
-                                            block_ids=(BLOCKS,), num_computed_tokens=0)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
-                                              num_computed_tokens=[], resumed_req_ids=set()),
-        num_scheduled_tokens={"p1": len(PROMPT)},
-        total_num_scheduled_tokens=len(PROMPT),
-    )  # fmt: skip
+    req, so = schedule_prompt(sched)
     worker.bind_connector_metadata(sched.build_connector_meta(so))
     assert st.reserved.wait(10)  # before any layer ran
     assert st.reserved_on == ["tc-save-prep_0"]

@@ -104,17 +104,12 @@ def checkpoint(tmp_path: Path) -> Path:
     return d
 
 
-def save_prompt(model: str, store: MemoryChunkStore, **extra: Any) -> list[str]:
-    """A producer saves PROMPT's KV through the connector's two halves."""
-    sched = make_connector(model, "scheduler", "kv_producer", **extra)
-    worker = make_connector(model, "worker", "kv_producer", **extra)
-    g = torch.Generator().manual_seed(1)
-    layers = [torch.randn(64, H, BS, 2 * HS, generator=g) for _ in range(LAYERS)]
-    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)})
+def schedule_prompt(sched: Any) -> tuple[Any, Any]:
+    """(request, scheduler output) of PROMPT in BLOCKS, allocated on ``sched`` (a
+    scheduler-side connector) as vLLM allocates a new request."""
     req = SimpleNamespace(request_id="p1", prompt_token_ids=PROMPT, cache_salt=None,
                           kv_transfer_params=None, mm_features=[], lora_request=None)  # fmt: skip
-    blocks = SimpleNamespace(get_block_ids=lambda: (BLOCKS,))
-    sched.update_state_after_alloc(req, blocks, 0)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (BLOCKS,)), 0)
     so = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="p1", prompt_token_ids=PROMPT,
                                             block_ids=(BLOCKS,), num_computed_tokens=0)],
@@ -123,6 +118,17 @@ def save_prompt(model: str, store: MemoryChunkStore, **extra: Any) -> list[str]:
         num_scheduled_tokens={"p1": len(PROMPT)},
         total_num_scheduled_tokens=len(PROMPT),
     )  # fmt: skip
+    return req, so
+
+
+def save_prompt(model: str, store: MemoryChunkStore, **extra: Any) -> list[str]:
+    """A producer saves PROMPT's KV through the connector's two halves."""
+    sched = make_connector(model, "scheduler", "kv_producer", **extra)
+    worker = make_connector(model, "worker", "kv_producer", **extra)
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.randn(64, H, BS, 2 * HS, generator=g) for _ in range(LAYERS)]
+    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)})
+    req, so = schedule_prompt(sched)
     worker.bind_connector_metadata(sched.build_connector_meta(so))
     worker.start_load_kv(None)
     worker.wait_for_save()
