@@ -86,6 +86,12 @@ class KVCopier:
     # ------------------------------------------------------------------------ saves
 
     def begin_save(self, block_ids: Sequence[Sequence[int]], dests: list[torch.Tensor]) -> SaveCopy:
+        # On the copy stream: the block index's upload (and the staging buffer) is then
+        # ordered before the layer copies that use it, whichever thread or stream calls.
+        with self.dev.on_copy_stream():
+            return self._begin_save(block_ids, dests)
+
+    def _begin_save(self, block_ids: Sequence[Sequence[int]], dests: list[torch.Tensor]) -> SaveCopy:
         if self.kv.on_host:  # index_select straight into each slot: no staging copy
             return SaveCopy(dests, [self.kv.index(b) for b in block_ids])
         flat = [b for ids in block_ids for b in ids]
