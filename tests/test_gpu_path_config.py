@@ -170,3 +170,18 @@ def test_on_a_gpu_the_slot_round_trip_runs_before_the_forward_not_inside_it(
     _, params = sched.request_finished(req, BLOCKS)
     assert params["tiered_cache"]["keys"] and all(k in st._data for k in params["tiered_cache"]["keys"])
     worker.shutdown()
+
+
+def test_an_agent_that_cannot_start_costs_vllm_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed embedded start (a bad pool size, a full /dev/shm) must not escape
+    register_kv_caches and stop vLLM: the worker runs on, recomputing."""
+    import tiered_cache.client as client
+
+    def refuse(extra: Any) -> Any:
+        raise RuntimeError("embedded agent did not start")
+
+    monkeypatch.setattr(client, "open_store", refuse)
+    c = make_connector("m", "worker", "kv_both")
+    c.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(64, 2, 16, 16)
+                          for i in range(2)})  # fmt: skip
+    assert c.worker._guard.down  # an outage: later calls skip the cache at once
