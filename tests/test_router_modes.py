@@ -147,3 +147,19 @@ def test_config_router_split_settings() -> None:
         load_config({"router": {"prefill_tokens_per_s": 0}})
     with pytest.raises(ConfigError, match="splt"):
         load_config({"router": {"splt": "auto"}})  # unknown keys stay errors
+
+
+def test_dashboard_charts_the_routers_decisions() -> None:
+    from tiered_cache.dashboard.figures import History, cumulative
+    from tiered_cache.dashboard.sources import Reading, parse_exposition
+
+    def rd(t: float, split: float, whole: float) -> Reading:
+        text = (f'tiered_cache_router_decisions_total{{kind="split"}} {split}\n'
+                f'tiered_cache_router_decisions_total{{kind="whole"}} {whole}\n')  # fmt: skip
+        return Reading(t=t, samples=parse_exposition(text))
+
+    h = History(window_s=10)
+    h.add(0, cumulative(rd(0, 0, 0)))
+    h.add(10, cumulative(rd(10, 5, 20)))
+    s = h.export()
+    assert s["decisions_per_s"] == {"split": [0.0, 0.5], "whole": [0.0, 2.0]}
