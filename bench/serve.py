@@ -18,8 +18,9 @@ Deployments, one after another on this machine, same model, same CPU (both cores
 - ``lmcache``: one vLLM with ``LMCacheMPConnector`` and an ``lmcache server`` with the
   same DRAM budget (L1) and its ``fs`` L2 on the same disk budget;
 - ``ideal`` (a reference, not a contender): mono whose own KV space holds every
-  workload's whole working set, so every reusable token is reused in place at no cost:
-  the most any cache tier could give.
+  workload's whole working set, so every reusable token is reused in place: the most
+  reuse any cache tier could give. Not a latency ceiling on vLLM's CPU backend: its large
+  KV space costs per step there (docs/benchmarks.md, issue 23).
 
 vLLM's own KV space is made small (``--num-gpu-blocks-override``) so that each workload's
 unique prefixes are several times what it holds: the tiers matter. Workloads:
