@@ -163,3 +163,20 @@ def test_dashboard_charts_the_routers_decisions() -> None:
     h.add(10, cumulative(rd(10, 5, 20)))
     s = h.export()
     assert s["decisions_per_s"] == {"split": [0.0, 0.5], "whole": [0.0, 2.0]}
+
+
+async def test_load_counters_return_to_zero_and_the_handoff_is_measured() -> None:
+    # Requests split, then whole: every server's running decodes and queued prefill
+    # tokens go back to zero, and each handoff is a sample of the handoff's cost.
+    async with fakes(2) as (p, d):
+        router = Router([p.url], [d.url], split="auto")
+        async with routed(router) as (url, http):
+            for i in range(3):
+                await complete(http, url, f"x{i}")
+            assert router.handoff_s.samples == 3
+            router.split_mode = "whole"
+            for i in range(3):
+                await complete(http, url, f"y{i}")
+        for b in (*router.prefill, *router.decode):
+            assert (b.running, b.queued_tokens, b.inflight) == (0, 0, 0), b
+        assert router.stats.decisions == {"split": 3, "whole": 3}
