@@ -6,13 +6,21 @@ Deployments, one after another on this machine, same model, same CPU (both cores
 - ``mono``: one vLLM with its own prefix cache: what users run today (the reference);
 - ``ours``: one vLLM with its prefix cache and our connector as ``kv_both``: the tiers
   (DRAM, NVMe) extend the prefix cache;
-- ``pd``: a prefill vLLM (``kv_both``, core 0) and a decode vLLM (``kv_consumer``, core
-  1) behind ``tiered-cache router``, handing off through the same tiers;
+- ``pd``: a prefill vLLM (core 0) and a decode vLLM (core 1), both ``kv_both``, behind
+  ``tiered-cache router`` with ``router.split: auto``: each request split (handing off
+  through the same tiers) or served whole on one server, whichever its cost model prices
+  lower (``pd-split``: the same, every request split as before);
+- ``replicas``: the same two cores as two whole vLLMs (``kv_both`` on the one agent, so
+  they share the DRAM tier) behind ``tiered-cache router --replica``, which picks the
+  server by cached prefix and load: P/D's same-hardware baseline;
+- ``replicas-rr``: the same two vLLMs without a connector behind ``--round-robin``: what
+  two vLLMs behind any load balancer give;
 - ``lmcache``: one vLLM with ``LMCacheMPConnector`` and an ``lmcache server`` with the
   same DRAM budget (L1) and its ``fs`` L2 on the same disk budget;
 - ``ideal`` (a reference, not a contender): mono whose own KV space holds every
-  workload's whole working set, so every reusable token is reused in place at no cost:
-  the most any cache tier could give.
+  workload's whole working set, so every reusable token is reused in place: the most
+  reuse any cache tier could give. Not a latency ceiling on vLLM's CPU backend: its large
+  KV space costs per step there (docs/benchmarks.md, issue 23).
 
 vLLM's own KV space is made small (``--num-gpu-blocks-override``) so that each workload's
 unique prefixes are several times what it holds: the tiers matter. Workloads:
@@ -192,7 +200,7 @@ class Deployment:
     url: str  # where the load goes
     agent_proc: subprocess.Popen[bytes] | None = None
     helpers: list[Any] = field(default_factory=list)  # router, lmcache server
-    router: tuple[int, Path] | None = None  # (port, agent config) of a router to start
+    router: list[str] | None = None  # the router's arguments, started once servers are up
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -205,6 +213,8 @@ class Deployment:
                 st = httpx.get(self.url + "/router/stats", timeout=10).json()
                 for reason, n in st.get("fallbacks", {}).items():
                     out[f"router_fallbacks:{reason}"] = float(n)
+                for kind, n in st.get("decisions", {}).items():
+                    out[f"router_decisions:{kind}"] = float(n)
         return out
 
     def stop(self) -> None:
@@ -239,7 +249,8 @@ class Bench:
             dtype=self.a.dtype, max_model_len=self.max_len, served_name=SERVED, max_num_seqs=8,
         )  # fmt: skip
 
-    def agent(self, name: str) -> tuple[subprocess.Popen[bytes], Path]:
+    def agent(self, name: str, split: str | None = None
+              ) -> tuple[subprocess.Popen[bytes], Path]:  # fmt: skip
         from tiered_cache.agent import wait_for_socket
 
         cfg = {
@@ -253,8 +264,13 @@ class Bench:
                      "admission": "frequency", "admission_k": 2},
             "agent": {"socket": str(self.work / f"{name}.sock")},
         }  # fmt: skip
-        if self.a.max_local_prefill_tokens is not None:  # read by the P/D router
-            cfg["router"] = {"max_local_prefill_tokens": self.a.max_local_prefill_tokens}
+        router: dict[str, Any] = {}  # read by the router
+        if self.a.max_local_prefill_tokens is not None:
+            router["max_local_prefill_tokens"] = self.a.max_local_prefill_tokens
+        if split is not None:
+            router["split"] = split
+        if router:
+            cfg["router"] = router
         path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         proc = spawn([sys.executable, "-m", "tiered_cache.cli", "agent", "-c", str(path)],
@@ -276,20 +292,40 @@ class Bench:
             s = self.server("ours", kv_transfer_config("kv_both", store, policy="recompute"),
                             both)  # fmt: skip
             d = Deployment(name, [s], s.url, agent_proc=proc)
-        elif name == "pd":
-            proc, cfg = self.agent("pd")
+        elif name in ("pd", "pd-split"):
+            proc, cfg = self.agent("pd", split="auto" if name == "pd" else "split")
             store = {"config_file": str(cfg), "embedded": "never", **self.a.connector_extra}
             # split: a core each (prefill runs at half mono's compute); shared: both
-            # servers on both cores, so an idle decode leaves the prefill two.
+            # servers on both cores, so an idle decode leaves the prefill two. Both kv_both:
+            # either serves a request whole, and saves what it computes.
             pc, dc = ("0", "1") if self.a.pd_cores == "split" and both != "0" else (both, both)
             pre = self.server("pd-prefill",
                               kv_transfer_config("kv_both", store, policy="recompute"), pc)
             dec = self.server("pd-decode",
-                              kv_transfer_config("kv_consumer", store, policy="recompute"),
+                              kv_transfer_config("kv_both", store, policy="recompute"),
                               dc)  # fmt: skip
             port = free_port()
             d = Deployment(name, [pre, dec], f"http://127.0.0.1:{port}", agent_proc=proc)
-            d.router = (port, cfg)  # started once the servers are up
+            d.router = ["--prefill", pre.url, "--decode", dec.url, "--port", str(port),
+                        "-c", str(cfg)]  # fmt: skip
+        elif name in ("replicas", "replicas-rr"):
+            # P/D's cores as whole servers: a core each.
+            cores = ("0", "1") if both != "0" else ("0", "0")
+            proc = None
+            args: list[str] = []
+            if name == "replicas":
+                proc, cfg = self.agent("replicas")
+                store = {"config_file": str(cfg), "embedded": "never", **self.a.connector_extra}
+                kv: dict[str, Any] | None = kv_transfer_config("kv_both", store,
+                                                               policy="recompute")  # fmt: skip
+                args = ["-c", str(cfg)]
+            else:
+                kv, args = None, ["--round-robin"]
+            reps = [self.server(f"{name}-{i}", kv, c) for i, c in enumerate(cores)]
+            port = free_port()
+            d = Deployment(name, reps, f"http://127.0.0.1:{port}", agent_proc=proc)
+            d.router = [*(x for r in reps for x in ("--replica", r.url)), "--port", str(port),
+                        *args]  # fmt: skip
         elif name == "lmcache":
             from tiered_cache.tools.lmcache_launch import LMCacheServer
 
@@ -309,11 +345,9 @@ class Bench:
         for s in d.servers:
             s.wait_ready(600)
         if d.router is not None:
-            port, cfg = d.router
             d.helpers.append(spawn(
-                [sys.executable, "-m", "tiered_cache.cli", "router", "--prefill",
-                 d.servers[0].url, "--decode", d.servers[1].url, "--port", str(port), "-c",
-                 str(cfg)], self.work / "router.log"))  # fmt: skip
+                [sys.executable, "-m", "tiered_cache.cli", "router", *d.router],
+                self.work / f"router-{name}.log"))  # fmt: skip
             wait_http(d.url + "/health", 60)
         # Warm up the whole path, saves included: 600 tokens is two whole chunks (ours
         # and LMCache's), so no deployment pays its first-save costs inside the load.
@@ -365,6 +399,8 @@ def run_load(
             reasons[reason] = reasons.get(reason, 0) + v
     routed = {k.split(":", 1)[1]: v for k, v in delta.items()
               if k.startswith("router_fallbacks:") and v}  # fmt: skip
+    decided = {k.split(":", 1)[1]: v for k, v in delta.items()
+               if k.startswith("router_decisions:") and v}  # fmt: skip
     ttfts = [t for t in res["ttfts"]]
     tpots = [
         (lat - ttft) / (n - 1) if n > 1 and ttft else 0.0
@@ -389,6 +425,7 @@ def run_load(
         or delta.get("vllm:prefix_cache_hits_total", 0.0),
         "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits_total", 0.0),
         "hit_tokens_by_tier": tiers, "fallbacks": reasons, "router_fallbacks": routed,
+        "router_decisions": decided,
         # Where a deployment's time goes besides compute: requests evicted mid-run for
         # want of KV blocks, and seconds requests waited in vLLM's queue.
         "preemptions": total("vllm:num_preemptions_total")
@@ -421,7 +458,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one load level, fewer requests")
     ap.add_argument("--json", action="store_true", help="one JSON object as the last line")
-    ap.add_argument("--deployments", default="mono,ours,pd,lmcache,ideal")
+    ap.add_argument("--deployments",
+                    default="mono,ours,pd,replicas,replicas-rr,lmcache,ideal")
     ap.add_argument("--workloads", default=None,
                     help="chat,trace,mixed,jsonl (default: chat,mixed quick; all but jsonl)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -630,7 +668,7 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
     res = out["results"]
     ref = res.get("mono") or {}
     mismatches = stalls = errors = 0
-    ours = ("ours", "pd")  # the stalls that count are our deployments' (LMCache's: listed)
+    ours = ("ours", "pd")  # the stalls that count are our deployments' (the others: listed)
     for name, r in res.items():
         if not isinstance(r, dict) or "error" in r:
             continue
@@ -746,6 +784,68 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
     out["stalls_by_deployment"] = {
         name: sum(v.get("stalls", 0) for v in r.values() if isinstance(v, dict))
         for name, r in res.items() if name != "mono" and isinstance(r, dict) and "error" not in r
+    }  # fmt: skip
+    out["ratios"].update(pd_goals(res, rated, main_label, out["stalls_by_deployment"]))
+
+
+def pd_goals(res: dict[str, Any], rated: list[tuple[float, str]], main_label: str,
+             stalls: dict[str, int]) -> dict[str, Any]:  # fmt: skip
+    """P/D against its same-hardware baselines, at every load level run."""
+
+    def get(name: str, label: str, key: str, sub: str | None = None) -> float | None:
+        v = (res.get(name) or {}).get(label)
+        if not isinstance(v, dict):
+            return None
+        x = v.get(key)
+        return x.get(sub) if sub and isinstance(x, dict) else x
+
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return None if x is None or not y else round(x / y, 3)
+
+    ref = res.get("mono") or {}
+    levels = [lab for lab in ref if lab.split("@")[0] in ("chat", "trace", "mixed")
+              and not lab.endswith(("@kill", "@alive"))]  # fmt: skip
+
+    def by_level(a: str, b: str, key: str = "request_goodput", sub: str | None = None,
+                 labels: list[str] = levels) -> dict[str, float | None]:  # fmt: skip
+        return {lab: ratio(get(a, lab, key, sub), get(b, lab, key, sub)) for lab in labels}
+
+    def lowest(d: dict[str, float | None]) -> float | None:
+        vals = [v for v in d.values() if v is not None]
+        return min(vals) if vals else None
+
+    vs_rep, vs_mono = by_level("pd", "replicas"), by_level("pd", "mono")
+    # Long prefills overlap decodes where they show in the baseline's inter-token
+    # latency: its p99 over 3x its median (a prefill landed between two decode steps).
+    mixed = [lab for lab in levels if lab.startswith("mixed@")]
+    overlap = {}
+    for lab in mixed:
+        p99, med = get("replicas", lab, "itl_ms", "p99"), get("replicas", lab, "itl_ms", "median")
+        overlap[lab] = bool(p99 and med and p99 > 3 * med)
+    tpot = by_level("pd", "replicas", "tpot_ms", "p99", mixed)
+    with_overlap = [v for lab, v in tpot.items() if overlap.get(lab) and v is not None]
+    without = [v for lab, v in tpot.items() if not overlap.get(lab) and v is not None]
+    top = rated[-1][1] if rated else main_label
+    return {
+        "goodput_pd_vs_replicas_min": lowest(vs_rep),
+        "goodput_pd_vs_monolithic_min": lowest(vs_mono),
+        "goodput_pd_vs_replicas_by_load": vs_rep,
+        "goodput_pd_vs_monolithic_by_load": vs_mono,
+        "goodput_pd_vs_replicas_rr_at_highest_rate": ratio(
+            get("pd", top, "request_goodput"), get("replicas-rr", top, "request_goodput")),
+        "goodput_replicas_vs_monolithic_by_load": by_level("replicas", "mono"),
+        "tpot_p99_pd_vs_replicas_mixed_by_load": tpot,
+        "mixed_overlap_by_load": overlap,
+        # The worst rate with overlap (goal <= 0.7), and without (goal <= 1.1).
+        "tpot_p99_pd_vs_replicas_mixed_overlap": max(with_overlap) if with_overlap else None,
+        "tpot_p99_pd_vs_replicas_mixed_no_overlap": max(without) if without else None,
+        "stalls_pd_minus_ideal": stalls["pd"] - stalls["ideal"]
+        if "pd" in stalls and "ideal" in stalls else None,
+        "pd_decisions_by_load": {lab: (res.get("pd") or {}).get(lab, {}).get("router_decisions")
+                                 for lab in levels},
+        # The demo's (tiered_cache/tools/demo.py) cached-turn gain: the demo exposes no
+        # function this bench could call, so it is not measured here.
+        "demo_cached_gain_median": None,
     }  # fmt: skip
 
 

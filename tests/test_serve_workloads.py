@@ -58,3 +58,33 @@ def test_a_bad_prompts_file_names_the_line(tmp_path: Path) -> None:
         serve.jsonl_workload(f, 10, tokenizer=None)
     got = serve.jsonl_workload(f, 1, tokenizer=None)
     assert got[0].prompt == [1, 2, 3] and got[0].output_len == 4
+
+
+def test_pd_goals_compare_pd_with_its_same_hardware_baselines() -> None:
+    def r(goodput: float, tpot_p99: float = 10.0, itl: tuple[float, float] = (5.0, 6.0),
+          decisions: dict[str, float] | None = None) -> dict[str, object]:  # fmt: skip
+        return {"request_goodput": goodput, "tpot_ms": {"p99": tpot_p99},
+                "itl_ms": {"median": itl[0], "p99": itl[1]},
+                "router_decisions": decisions or {}}  # fmt: skip
+
+    res = {
+        "mono": {"chat@1.0": r(1.0), "chat@2.0": r(1.5), "mixed@1.0": r(1.0),
+                 "mixed@2.0": r(1.0)},
+        "replicas": {"chat@1.0": r(1.0), "chat@2.0": r(2.0), "mixed@1.0": r(1.0, 20.0),
+                     "mixed@2.0": r(1.0, 40.0, (5.0, 50.0))},
+        "replicas-rr": {"chat@2.0": r(1.0)},
+        "pd": {"chat@1.0": r(1.0), "chat@2.0": r(1.8), "mixed@1.0": r(1.0, 21.0),
+               "mixed@2.0": r(1.0, 20.0, decisions={"split": 3.0, "whole": 6.0})},
+    }  # fmt: skip
+    g = serve.pd_goals(res, [(1.0, "chat@1.0"), (2.0, "chat@2.0")], "chat@1.0",
+                       {"pd": 3, "ideal": 1})  # fmt: skip
+    assert g["goodput_pd_vs_replicas_min"] == 0.9  # at chat@2.0
+    assert g["goodput_pd_vs_monolithic_min"] == 1.0
+    assert g["goodput_pd_vs_replicas_rr_at_highest_rate"] == 1.8
+    # Only mixed@2.0 shows long prefills between decode steps (ITL p99 10x its median).
+    assert g["mixed_overlap_by_load"] == {"mixed@1.0": False, "mixed@2.0": True}
+    assert g["tpot_p99_pd_vs_replicas_mixed_overlap"] == 0.5
+    assert g["tpot_p99_pd_vs_replicas_mixed_no_overlap"] == 1.05
+    assert g["stalls_pd_minus_ideal"] == 2
+    assert g["pd_decisions_by_load"]["mixed@2.0"] == {"split": 3.0, "whole": 6.0}
+    assert g["demo_cached_gain_median"] is None

@@ -18,6 +18,15 @@ the decode recompute the prompt: the router stops splitting requests (each goes 
 the least-loaded live server of either pool) until a later prefill, sent on a backoff
 schedule, saves its chunks again.
 
+Whole or split (``router.split``, ``tiered_cache.split``): ``split`` sends every request
+through the prefill pool (but those the cache nearly covers); ``whole`` serves each on one
+server of either pool, picked by cached prefix and load (``--replica`` servers: a replica
+router, as llm-d's prefix-cache-aware scheduler); ``auto`` prices both per request from the
+prompt's cached tokens, each server's running decodes and queued prefill tokens, and the
+measured prefill, handoff and decode-step times, and takes the cheaper. Decisions and the
+time of each phase (tokenize, lookup, prefill, decode's first byte) are metrics on
+``/metrics``.
+
 Tenants (``router.tenants`` in the config, ``tiered_cache.tenancy``): each request must
 carry one's API key (``Authorization: Bearer``), and goes on with that tenant's salt as
 its ``cache_salt``, whatever the client sent, so its chunk keys are its tenant's alone.
@@ -37,15 +46,27 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from tiered_cache.breaker import Breaker
-from tiered_cache.keys import IDENTITY_FIELDS, ModelFingerprint, chunk_keys
+from tiered_cache.keys import IDENTITY_FIELDS, ModelFingerprint, chunk_keys, partial_keys
+from tiered_cache.protocol import Models
 from tiered_cache.router_replies import (
     RETRY_STATUS,
     Retry,
     error_reply,
     passthrough_error,
     unauthorized,
+)
+from tiered_cache.split import (
+    SPLIT_MODES,
+    Choice,
+    DecayingRate,
+    Ewma,
+    Rates,
+    ServerView,
+    SplitMode,
+    decide,
 )
 from tiered_cache.tenancy import TenantAuth, TenantSpec, tenant_salt
 
@@ -71,6 +92,9 @@ class Backend:
     failures: int = 0
     node_id: str | None = None
     last_error: str = ""
+    running: int = 0  # requests past their first token here
+    queued_tokens: int = 0  # prefill tokens sent here whose first token has not come back
+    arrivals: DecayingRate = field(default_factory=DecayingRate)  # prefill tokens sent
 
     def score_load(self) -> float:
         return float(self.inflight)
@@ -89,8 +113,64 @@ class RouterStats:
     # cache_down (no handoff: the cache was unavailable, one server served it whole).
     fallbacks: dict[str, int] = field(default_factory=dict)
 
+    # split (prefill, then decode), whole (one server), skip (split mode: the cache held
+    # nearly all of the prompt, the decode computed the rest)
+    decisions: dict[str, int] = field(default_factory=dict)
+
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+
+@dataclass
+class PromptInfo:
+    """A prompt as the router sees it once tokenized."""
+
+    tokens: int
+    keys: list[str]  # whole chunks of all tokens but the last (vLLM computes that one)
+    chunk_size: int
+    cached: int = 0  # leading tokens the cache holds: whole chunks, then part of one
+
+    @property
+    def uncached(self) -> int:
+        return self.tokens - self.cached
+
+
+@dataclass
+class _Timing:
+    """One request's clock: when the router got it, the prefill tokens its decode (or
+    whole) server computes, and whether a handoff came before (its first byte then
+    measures the handoff)."""
+
+    t_in: float
+    uncached: int = 0
+    handoff: bool = False
+
+
+PHASES = ("tokenize", "lookup", "prefill", "decode_first_byte", "ttft")
+_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class RouterMetrics:
+    """The router's own registry, on its ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        p = "tiered_cache_router_"
+        self.decisions = Counter(
+            p + "decisions", "Requests by how they were served (kind: split, whole, skip)",
+            ["kind"], registry=self.registry,
+        )  # fmt: skip
+        self.phase = Histogram(
+            p + "phase_seconds",
+            "Time in each phase of a request (tokenize, lookup: the cache's chunks; prefill:"
+            " the prefill request; decode_first_byte: the decode request to its first byte;"
+            " ttft: the router's receipt to the first byte)",
+            ["phase"], buckets=_PHASE_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        for k in ("split", "whole", "skip"):
+            self.decisions.labels(kind=k)
+        for ph in PHASES:
+            self.phase.labels(phase=ph)
 
 
 class Router:
@@ -107,9 +187,28 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         tenants: Sequence[TenantSpec] = (),
         max_local_prefill_tokens: int | None = None,
+        split: SplitMode = "split",
+        round_robin: bool = False,
+        prefill_tokens_per_s: float = 4000.0,
+        handoff_s: float = 0.2,
+        decode_step_s: float = 0.03,
     ) -> None:
-        if not prefill or not decode:
+        if split not in SPLIT_MODES:
+            raise ValueError(f"split must be one of {', '.join(SPLIT_MODES)}, got {split!r}")
+        if split == "whole":
+            if not prefill and not decode:
+                raise ValueError("the router needs at least one server")
+        elif not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode server")
+        if prefill_tokens_per_s <= 0 or handoff_s < 0 or decode_step_s < 0:
+            raise ValueError("prefill_tokens_per_s must be > 0, handoff_s and decode_step_s >= 0")
+        self.split_mode: SplitMode = split
+        self.round_robin = round_robin  # whole requests: strict rotation (no cache, no load)
+        self.prefill_tps = Ewma(prefill_tokens_per_s)
+        self.handoff_s = Ewma(handoff_s)
+        self.step_s = Ewma(decode_step_s)
+        self.metrics = RouterMetrics()
+        self._models_tried: dict[str, float] = {}  # model -> when the agent was last asked
         self.prefill = [Backend(u.rstrip("/"), "prefill") for u in prefill]
         self.decode = [Backend(u.rstrip("/"), "decode") for u in decode]
         self.cache = cache  # an AgentClient (lookup + locate), optional
@@ -124,7 +223,8 @@ class Router:
         self.fingerprints: dict[str, dict[str, Any]] = {}  # model -> fingerprint params
         self.stats = RouterStats()
         self.tenants = TenantAuth(tenants)
-        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count(),
+                    "any": itertools.count()}  # fmt: skip
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._cache_guard = Breaker("router: node agent (cache-aware routing)", log)
@@ -134,6 +234,7 @@ class Router:
             "router: KV handoff (the prefill's cache)", log, base_s=handoff_retry_s,
             clock=clock,
         )
+        self.clock = clock
 
     # ---------------------------------------------------------------- app
 
@@ -144,6 +245,7 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/router/stats", self.stats_handler)
+        app.router.add_get("/metrics", self.metrics_handler)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -227,6 +329,13 @@ class Router:
                 "unauthorized": self.stats.unauthorized,
                 "retries": self.stats.retries,
                 "fallbacks": self.stats.fallbacks,
+                "decisions": self.stats.decisions,
+                "split": self.split_mode,
+                "rates": {
+                    "prefill_tokens_per_s": round(self.prefill_tps.value, 1),
+                    "handoff_s": round(self.handoff_s.value, 4),
+                    "decode_step_s": round(self.step_s.value, 4),
+                },
                 "per_backend": self.stats.per_backend,
                 "backends": [
                     {
@@ -234,12 +343,27 @@ class Router:
                         "role": b.role,
                         "healthy": b.healthy,
                         "inflight": b.inflight,
+                        "running": b.running,
+                        "queued_tokens": b.queued_tokens,
                         "node_id": b.node_id,
                     }
                     for b in self.prefill + self.decode
                 ],
             }
         )
+
+    async def metrics_handler(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    def _decided(self, kind: str) -> None:
+        self.stats.decisions[kind] = self.stats.decisions.get(kind, 0) + 1
+        self.metrics.decisions.labels(kind=kind).inc()
+
+    def _phase(self, phase: str, seconds: float) -> None:
+        self.metrics.phase.labels(phase=phase).observe(seconds)
 
     # ---------------------------------------------------------------- choice
 
@@ -249,27 +373,67 @@ class Router:
             return None
         return self._least_loaded(live)
 
-    async def _prompt_keys(
-        self, path: str, body: dict[str, Any]
-    ) -> tuple[list[str], int] | None:
-        """Chunk keys of the prompt and the tokens after them (those a decode would
-        compute itself), when the model's fingerprint is known."""
-        fpp = self.fingerprints.get(str(body.get("model")))
-        if fpp is None or self.cache is None:
+    async def _fingerprint(self, model: str) -> ModelFingerprint | None:
+        """The model's chunk fingerprint: from a prefill's answer, else from the
+        connectors' registrations with the agent (a router that never splits learns it
+        there), asked at most every 10 s per model."""
+        fpp = self.fingerprints.get(model)
+        if fpp is None and self.cache is not None and hasattr(self.cache, "_call"):
+            now = time.monotonic()
+            if now - self._models_tried.get(model, -1e9) >= 10.0:
+                self._models_tried[model] = now
+                try:
+                    reply = await asyncio.to_thread(self.cache._call, Models())
+                except Exception as e:  # routing without the cache: never a failure
+                    log.debug("models lookup failed: %s", e)
+                    reply = {}
+                for reg in reply.get("models", []):
+                    if model in (reg.get("model_id"), *reg.get("aliases", [])):
+                        self.fingerprints[model] = fpp = dict(reg)
+                        break
+        if fpp is None:
             return None
         # The identity fields too (revision, weights, epoch...): without them the router's
         # keys would not be the connector's.
         fields = (*FINGERPRINT_FIELDS, *IDENTITY_FIELDS)
-        fp = ModelFingerprint(**{k: fpp[k] for k in fields if k in fpp})
+        return ModelFingerprint(**{k: fpp[k] for k in fields if k in fpp})
+
+    async def _prompt(self, path: str, body: dict[str, Any]) -> PromptInfo | None:
+        """The prompt's tokens, chunk keys and cached prefix, when the model's
+        fingerprint is known and the cache reachable."""
+        if self.cache is None:
+            return None
+        fp = await self._fingerprint(str(body.get("model")))
+        if fp is None:
+            return None
         prompt = body.get("prompt")
+        t0 = time.perf_counter()
+        toks: Sequence[int]
         if (
             isinstance(prompt, list)
             and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
-            # Token ids already: no tokenizing round trip.
-            return self._keys_and_rest(prompt, fp, body)
-        dec = next((b for b in self.decode if b.healthy), None)  # any one can tokenize
+            toks = prompt  # token ids already: no tokenizing round trip
+        else:
+            got = await self._tokenize(path, body)
+            if got is None:
+                return None
+            toks = got
+            self._phase("tokenize", time.perf_counter() - t0)
+        if not toks:
+            return None
+        salt = body.get("cache_salt")
+        keys = chunk_keys(toks[:-1], fp, cache_salt=salt)
+        info = PromptInfo(len(toks), keys, fp.chunk_size)
+        if self._cache_guard.allow():
+            t1 = time.perf_counter()
+            info.cached = await asyncio.to_thread(self._cached_tokens, toks, fp, salt, keys)
+            self._phase("lookup", time.perf_counter() - t1)
+        return info
+
+    async def _tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        dec = next((b for b in (*self.decode, *self.prefill) if b.healthy), None)
         if dec is None:
             return None
         req: dict[str, Any] = {"model": body.get("model")}
@@ -279,6 +443,7 @@ class Router:
                 if k in body:
                     req[k] = body[k]
         else:
+            prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 return None  # batched prompts: no cache-aware routing
             req["prompt"] = prompt
@@ -286,64 +451,125 @@ class Router:
             async with self.session.post(dec.url + "/tokenize", json=req) as r:
                 if r.status != 200:
                     return None
-                toks = (await r.json())["tokens"]
+                return list((await r.json())["tokens"])
         except (aiohttp.ClientError, KeyError, asyncio.TimeoutError):
             return None
-        return self._keys_and_rest(toks, fp, body)
 
-    @staticmethod
-    def _keys_and_rest(
-        toks: Sequence[int], fp: ModelFingerprint, body: dict[str, Any]
-    ) -> tuple[list[str], int]:
-        # vLLM always computes the last prompt token itself: only whole chunks of the
-        # first n-1 tokens can come from the cache.
-        keys = chunk_keys(toks[:-1], fp, cache_salt=body.get("cache_salt"))
-        return keys, len(toks) - len(keys) * fp.chunk_size
-
-    async def _choose_prefill(
-        self, keys: list[str] | None, rest: int = 0
-    ) -> tuple[Backend | None, bool]:
-        """(prefill backend, skip_prefill). ``rest``: prompt tokens after ``keys``."""
-        live = [b for b in self.prefill if b.healthy]
-        if keys and self.cache is not None and self._cache_guard.allow():
+    def _cached_tokens(
+        self, toks: Sequence[int], fp: ModelFingerprint, salt: str | None, keys: list[str]
+    ) -> int:
+        """Leading prompt tokens the cache holds: the whole chunks found, then the longest
+        block-aligned part of the next one an earlier prompt saved (its partial tail, or
+        the first blocks of a whole chunk), probed as the connector does: what a decode
+        that skips prefill loads, not only whole chunks. Runs in a thread."""
+        cs, bs = fp.chunk_size, fp.block_size
+        cache = self.cache
+        assert cache is not None
+        try:
+            found = len(cache.lookup(keys)) if keys else 0
+            self._cache_guard.ok()
+        except OSError as e:  # the agent is down: route without the cache for a while
+            self._cache_guard.failed(e)
+            return 0
+        except Exception as e:  # the cache is an optimisation for routing
+            log.debug("cache lookup failed: %s", e)
+            return 0
+        start = found * cs
+        span = min(cs, len(toks) - start)
+        lengths = list(range(((span - 1) // bs) * bs, 0, -bs)) if bs > 0 else []
+        part = 0
+        if lengths and hasattr(cache, "present"):
+            parent = keys[found - 1] if found else None
+            cands = partial_keys(toks, fp, salt, parent, start, lengths)
             try:
-                sources = await asyncio.to_thread(self.cache.lookup, keys)
-                self._cache_guard.ok()
-            except OSError as e:  # the agent is down: route without the cache for a while
-                self._cache_guard.failed(e)
-                sources = []
-            except Exception as e:  # the cache is an optimisation for routing
-                log.debug("cache lookup failed: %s", e)
-                sources = []
-            cap = self.max_local_prefill_tokens
-            if keys and len(sources) == len(keys) and (cap is None or rest <= cap):
-                return None, True
-            if live and keys:
-                try:
-                    locs = await asyncio.to_thread(self.cache.locate, keys)
-                except Exception:
-                    locs = None
-                if locs is not None:
+                hits = cache.present(cands)
+            except Exception as e:
+                log.debug("partial chunk probe failed: %s", e)
+                hits = []
+            part = next((n for n, h in zip(lengths, hits, strict=False) if h is not None), 0)
+        return min(len(toks) - 1, start + part)
 
-                    def cached_prefix(node: str | None) -> int:
-                        n = 0
-                        for ls in locs:
-                            if node is None or node not in ls:
-                                break
-                            n += 1
-                        return n
+    async def _located_prefix(self, keys: list[str]) -> Callable[[str | None], int] | None:
+        """Per node: how many leading chunks it holds (None when unknown)."""
+        if not keys or self.cache is None:
+            return None
+        try:
+            locs = await asyncio.to_thread(self.cache.locate, keys)
+        except Exception:
+            return None
 
-                    best = max(
-                        live,
-                        key=lambda b: (
-                            cached_prefix(b.node_id) - self.load_weight * b.inflight,
-                            -b.inflight,
-                        ),
-                    )
-                    return best, False
+        def cached_prefix(node: str | None) -> int:
+            n = 0
+            for ls in locs:
+                if node is None or node not in ls:
+                    break
+                n += 1
+            return n
+
+        return cached_prefix
+
+    def _skips(self, info: PromptInfo | None) -> bool:
+        """Split mode: the cache holds all of the prompt but at most
+        ``max_local_prefill_tokens`` (default: a chunk), which the decode computes."""
+        if info is None or not info.keys or info.cached <= 0:
+            return False
+        cap = self.max_local_prefill_tokens
+        return info.uncached <= (info.chunk_size if cap is None else cap)
+
+    async def _choose_prefill(self, info: PromptInfo | None) -> tuple[Backend | None, bool]:
+        """(prefill backend, skip_prefill)."""
+        live = [b for b in self.prefill if b.healthy]
+        if self._skips(info):
+            return None, True
+        if live and info is not None and info.keys:
+            prefix = await self._located_prefix(info.keys)
+            if prefix is not None:
+                best = max(
+                    live,
+                    key=lambda b: (
+                        prefix(b.node_id) - self.load_weight * b.inflight,
+                        -b.inflight,
+                    ),
+                )
+                return best, False
         if not live:
             return None, False
         return self._least_loaded(live), False
+
+    def _rates(self) -> Rates:
+        return Rates(self.prefill_tps.value, self.handoff_s.value, self.step_s.value)
+
+    async def _decide(self, info: PromptInfo | None, body: dict[str, Any]) -> Choice | None:
+        """Whole or split, and where (modes ``whole`` and ``auto``)."""
+        live = [b for b in (*self.prefill, *self.decode) if b.healthy]
+        if not live:
+            return None
+        if info is None or self.round_robin:
+            # Nothing known of the prompt: auto splits (the prefill's answer teaches the
+            # router the model's fingerprint); whole takes the next server.
+            pre = [b for b in live if b.role == "prefill"]
+            dec = [b for b in live if b.role == "decode"]
+            if self.split_mode == "auto" and pre and dec and not self.round_robin:
+                p, d = self._least_loaded(pre), self._least_loaded(dec)
+                return Choice("split", d.url, p.url, 0.0, 0)
+            srv = self._rotate(live) if self.round_robin else self._least_loaded_any(live)
+            return Choice("whole", srv.url, None, 0.0, 0)
+        prefix = None
+        if len({b.node_id for b in live}) > 1:  # several nodes: who holds the prefix
+            prefix = await self._located_prefix(info.keys)
+        now = self.clock()
+        views = []
+        n_rr = next(self._rr["any"])
+        for i in range(len(live)):  # rotated: ties go round robin
+            b = live[(i + n_rr) % len(live)]
+            cached = info.cached
+            if prefix is not None and b.node_id is not None:
+                cached = min(cached, prefix(b.node_id) * info.chunk_size)
+            views.append(ServerView(
+                b.url, b.role, b.running, b.queued_tokens, cached, b.arrivals.rate(now),
+            ))  # fmt: skip
+        out = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        return decide(views, info.tokens, int(out), self._rates(), self.split_mode)
 
     # ---------------------------------------------------------------- proxy
 
@@ -364,44 +590,67 @@ class Router:
             body["cache_salt"] = tenant_salt(tenant.name, tenant.salt.get_secret_value())
         path = request.path
         rid = request.headers.get("X-Request-Id") or f"tc-{time.monotonic_ns():x}"
+        t_in = time.perf_counter()
         if not self._handoff.allow():
-            return await self._serve_whole(path, body, rid, request)
-        got_keys = None if self._cache_guard.blocked else await self._prompt_keys(path, body)
-        keys, rest = got_keys if got_keys is not None else (None, 0)
-        pre, skip = await self._choose_prefill(keys, rest)
+            return await self._serve_whole(path, body, rid, request, _Timing(t_in))
+        info = None if self._cache_guard.blocked else await self._prompt(path, body)
+        prefer: Backend | None = None  # the decode server the cost model chose
+        uncached = info.uncached if info is not None else 0
+        if self.split_mode == "split":
+            pre, skip = await self._choose_prefill(info)
+        else:
+            choice = await self._decide(info, body)
+            if choice is None:
+                self.stats.errors += 1
+                return error_reply(503, "no healthy decode or prefill server")
+            if choice.kind == "whole":
+                self._decided("whole")
+                first = self._backend(choice.server)
+                return await self._serve_whole(
+                    path, body, rid, request, _Timing(t_in, choice.uncached), first=first
+                )
+            pre, skip = self._backend(choice.prefill), False
+            prefer = self._backend(choice.server)
+            uncached = choice.uncached
         if skip:
             # Every chunk is in the cache already: nothing is on its way for the decode
             # to wait for.
             self.stats.prefill_skipped += 1
+            self._decided("skip")
             kv_params: dict[str, Any] = {"do_remote_prefill": True, "tiered_cache": {"keys": []}}
+            timing = _Timing(t_in, uncached)
         else:
-            got = await self._run_prefill(pre, path, body, rid)
+            self._decided("split")
+            got = await self._run_prefill(pre, path, body, rid, uncached)
             if isinstance(got, web.Response):
                 return got
             kv_params, pre = got
+            timing = _Timing(t_in, 0 if pre is not None else uncached, handoff=pre is not None)
             tc = kv_params.get("tiered_cache")
             if pre is not None and isinstance(tc, dict) and tc.get("unavailable"):
                 # Nothing was saved: decode on the prefill server, whose own prefix
                 # cache holds the prompt it just computed.
                 self._handoff.failed("the prefill server reports its cache unavailable")
                 self.stats.fallback("cache_down")
-                out = await self._decode(pre, path, dict(body), rid, request)
+                out = await self._decode(pre, path, dict(body), rid, request, _Timing(t_in))
                 if not isinstance(out, Retry):
                     return out
                 self.stats.retries += 1
                 kv_params = {}
+                timing = _Timing(t_in, uncached)
             elif isinstance(tc, dict):
                 self._handoff.ok()
         # The KV sits in the cache tiers, not in one decode server: any decode server can
         # pull it, so a dead one is retried on another.
         tried: set[str] = set()
-        dec = self._next_live(self.decode, tried)
+        dec = prefer if prefer is not None and prefer.healthy else None
+        dec = dec or self._next_live(self.decode, tried)
         while dec is not None:
             tried.add(dec.url)
             dbody = dict(body)
             if kv_params:
                 dbody["kv_transfer_params"] = kv_params
-            out = await self._decode(dec, path, dbody, rid, request)
+            out = await self._decode(dec, path, dbody, rid, request, timing)
             if not isinstance(out, Retry):
                 return out
             self.stats.retries += 1
@@ -413,14 +662,14 @@ class Router:
             self.stats.errors += 1
             return error_reply(503, "no healthy decode or prefill server")
         self.stats.fallback("no_decode")
-        out = await self._decode(srv, path, dict(body), rid, request)
+        out = await self._decode(srv, path, dict(body), rid, request, _Timing(t_in, uncached))
         if isinstance(out, Retry):
             self.stats.errors += 1
             return out.error
         return out
 
     async def _run_prefill(
-        self, pre: Backend | None, path: str, body: dict[str, Any], rid: str
+        self, pre: Backend | None, path: str, body: dict[str, Any], rid: str, uncached: int = 0
     ) -> tuple[dict[str, Any], Backend | None] | web.Response:
         """The prefill's ``kv_transfer_params`` and the server that ran it; ({}, None)
         when no prefill server could (the decode server then computes the prompt itself:
@@ -428,7 +677,7 @@ class Router:
         tried: set[str] = set()
         while pre is not None:
             tried.add(pre.url)
-            got = await self._prefill(pre, path, body, rid)
+            got = await self._prefill(pre, path, body, rid, uncached)
             if isinstance(got, web.Response):
                 return got
             if not isinstance(got, Retry):
@@ -439,23 +688,45 @@ class Router:
         return {}, None
 
     async def _serve_whole(
-        self, path: str, body: dict[str, Any], rid: str, request: web.Request
+        self,
+        path: str,
+        body: dict[str, Any],
+        rid: str,
+        request: web.Request,
+        timing: _Timing,
+        first: Backend | None = None,
     ) -> web.StreamResponse:
-        """No handoff while the cache is down: the least-loaded live server of either
-        pool serves the request alone (each is a whole vLLM)."""
-        self.stats.fallback("cache_down")
+        """One server serves the request alone (each is a whole vLLM): ``first`` (the cost
+        model's pick), else, and while the cache is down (no handoff), the least-loaded
+        live server of either pool."""
+        if first is None:
+            self.stats.fallback("cache_down")
         tried: set[str] = set()
         while True:
             live = [b for b in (*self.decode, *self.prefill) if b.healthy and b.url not in tried]
             if not live:
                 self.stats.errors += 1
                 return error_reply(503, "no healthy decode or prefill server")
-            srv = self._least_loaded(live)
+            srv = first if first is not None and first in live else self._least_loaded_any(live)
+            first = None
             tried.add(srv.url)
-            out = await self._decode(srv, path, dict(body), rid, request)
+            out = await self._decode(srv, path, dict(body), rid, request, timing)
             if not isinstance(out, Retry):
                 return out
             self.stats.retries += 1
+
+    def _backend(self, url: str | None) -> Backend | None:
+        return next((b for b in (*self.prefill, *self.decode) if b.url == url), None)
+
+    def _least_loaded_any(self, live: list[Backend]) -> Backend:
+        """Across pools: fewest in-flight requests; ties rotate."""
+        r = next(self._rr["any"])
+        n = len(live)
+        return live[min(range(n), key=lambda i: (live[i].inflight, (i - r) % n))]
+
+    def _rotate(self, live: list[Backend]) -> Backend:
+        """Strict round robin over the live servers (a plain load balancer)."""
+        return live[next(self._rr["any"]) % len(live)]
 
     def _least_loaded(self, live: list[Backend]) -> Backend:
         """Fewest in-flight requests; ties rotate round-robin."""
@@ -470,7 +741,7 @@ class Router:
         return self._least_loaded(live)
 
     async def _prefill(
-        self, b: Backend, path: str, body: dict[str, Any], rid: str
+        self, b: Backend, path: str, body: dict[str, Any], rid: str, uncached: int = 0
     ) -> dict[str, Any] | web.Response | Retry:
         pbody = dict(body)
         pbody.update(
@@ -483,12 +754,20 @@ class Router:
         for k in ("stream_options", "min_tokens", "min_completion_tokens"):
             pbody.pop(k, None)
         b.inflight += 1
+        ahead = b.queued_tokens
+        b.queued_tokens += uncached
+        b.arrivals.add(uncached, self.clock())
         self.stats.per_backend[b.url] = self.stats.per_backend.get(b.url, 0) + 1
+        t0 = time.perf_counter()
         try:
             async with self.session.post(
                 b.url + path, json=pbody, headers={"X-Request-Id": rid}
             ) as r:
                 data = await r.read()
+                took = time.perf_counter() - t0
+                if r.status == 200:
+                    self._phase("prefill", took)
+                    self._sample_prefill(ahead + uncached, took)
                 if r.status != 200:
                     if r.status >= 500:
                         self._mark_failed(b, f"HTTP {r.status}")
@@ -506,6 +785,7 @@ class Router:
             return Retry(error_reply(502, f"prefill server {b.url} failed: {type(e).__name__}"))
         finally:
             b.inflight -= 1
+            b.queued_tokens -= uncached
         params = resp.get("kv_transfer_params") or {"do_remote_prefill": True}
         fpp = params.get("tc_fingerprint")
         if isinstance(fpp, dict) and all(k in fpp for k in FINGERPRINT_FIELDS):
@@ -514,12 +794,46 @@ class Router:
             b.node_id = str(params["tc_node_id"])
         return dict(params)
 
+    def _sample_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill rate sample: ``tokens`` computed (queued ones included) in
+        ``seconds``. Short prompts measure the request's overhead, not the rate."""
+        if tokens >= 128 and seconds > 0:
+            self.prefill_tps.add(tokens / seconds)
+
     async def _decode(
-        self, b: Backend, path: str, body: dict[str, Any], rid: str, request: web.Request
+        self,
+        b: Backend,
+        path: str,
+        body: dict[str, Any],
+        rid: str,
+        request: web.Request,
+        timing: _Timing | None = None,
     ) -> web.StreamResponse | Retry:
+        tm = timing or _Timing(time.perf_counter())
         b.inflight += 1
+        ahead = b.queued_tokens
+        b.queued_tokens += tm.uncached
+        b.arrivals.add(tm.uncached, self.clock())
+        queued = True  # until its first byte: then it is a running decode
         started = False  # once bytes reached the client, a retry would duplicate them
         self.stats.per_backend[b.url] = self.stats.per_backend.get(b.url, 0) + 1
+        t0 = time.perf_counter()
+
+        def first_byte() -> float:
+            nonlocal queued
+            now = time.perf_counter()
+            if queued:
+                queued = False
+                b.queued_tokens -= tm.uncached
+                b.running += 1
+                self._phase("decode_first_byte", now - t0)
+                self._phase("ttft", now - tm.t_in)
+                if tm.handoff:
+                    self.handoff_s.add(now - t0)
+                else:
+                    self._sample_prefill(ahead + tm.uncached, now - t0)
+            return now
+
         try:
             async with self.session.post(
                 b.url + path, json=body, headers={"X-Request-Id": rid}
@@ -533,29 +847,39 @@ class Router:
                     self.stats.errors += 1
                     return passthrough_error(r.status, data, "decode")
                 if not body.get("stream"):
-                    return web.Response(
-                        body=await r.read(), status=200, content_type="application/json"
-                    )
+                    data = await r.read()
+                    first_byte()
+                    return web.Response(body=data, status=200, content_type="application/json")
                 out = web.StreamResponse(
                     status=200,
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
                 )
                 await out.prepare(request)
                 started = True
+                t_first: float | None = None
+                events = 0
                 async for chunk in r.content.iter_any():
+                    if t_first is None:
+                        t_first = first_byte()
+                    events += chunk.count(b"data: ")
                     await out.write(chunk)
                 await out.write_eof()
+                # One SSE event a token, then [DONE]: the decode step this server ran at.
+                if t_first is not None and events > 3:
+                    self.step_s.add((time.perf_counter() - t_first) / (events - 2))
                 return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._mark_failed(b, str(e) or type(e).__name__)
             if not started:  # nothing reached the client: another server may serve it
                 return Retry(error_reply(502, f"decode server {b.url} failed: {type(e).__name__}"))
             self.stats.errors += 1
-            if started:
-                return out  # mid-stream: the client sees the stream end without [DONE]
-            return error_reply(502, f"decode server {b.url} failed: {type(e).__name__}")
+            return out  # mid-stream: the client sees the stream end without [DONE]
         finally:
             b.inflight -= 1
+            if queued:
+                b.queued_tokens -= tm.uncached
+            else:
+                b.running -= 1
 
 
 def run_router(
@@ -566,9 +890,10 @@ def run_router(
     cache: Any | None = None,
     tenants: Sequence[TenantSpec] = (),
     max_local_prefill_tokens: int | None = None,
+    **kw: Any,
 ) -> None:
     router = Router(
         prefill, decode, cache=cache, tenants=tenants,
-        max_local_prefill_tokens=max_local_prefill_tokens,
+        max_local_prefill_tokens=max_local_prefill_tokens, **kw,
     )
     web.run_app(router.app(), host=host, port=port, print=lambda *_: None)

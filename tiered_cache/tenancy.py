@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import re
 from collections.abc import Iterable, Mapping
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -84,6 +84,18 @@ class RouterConfig(_Strict):
     # vLLM always computes) included (null: up to a chunk).
     # 0 sends every prompt through prefill: decodes never run a prompt of their own.
     max_local_prefill_tokens: int | None = Field(default=None, ge=0)
+    # Whole or split (``tiered_cache.split``): ``split`` sends every request through the
+    # prefill pool (but those the cache nearly covers, above); ``whole`` serves each on one
+    # server of either pool (by cached prefix and load); ``auto`` prices both per request
+    # and takes the cheaper: set it where both pools run ``kv_both``, so either can serve
+    # a request whole and save what it computes.
+    split: Literal["split", "whole", "auto"] = "split"
+    # The cost model's starting points, replaced by what the router measures once requests
+    # flow: one server's prefill rate, what a split adds to the first token (the second
+    # request, the save and the load), one decode step.
+    prefill_tokens_per_s: float = Field(default=4000.0, gt=0)
+    handoff_s: float = Field(default=0.2, ge=0)
+    decode_step_s: float = Field(default=0.03, ge=0)
 
     @model_validator(mode="after")
     def _unique(self) -> RouterConfig:

@@ -105,11 +105,20 @@ def dashboard(
 
 
 @click.command()
+@click.option("--prefill", "prefill", multiple=True, help="Prefill server URL (repeat).")
+@click.option("--decode", "decode", multiple=True, help="Decode server URL (repeat).")
 @click.option(
-    "--prefill", "prefill", multiple=True, required=True, help="Prefill server URL (repeat)."
+    "--replica",
+    "replica",
+    multiple=True,
+    help="A whole vLLM (repeat): a replica router, each request served whole on one, picked"
+    " by cached prefix and load (instead of --prefill/--decode).",
 )
 @click.option(
-    "--decode", "decode", multiple=True, required=True, help="Decode server URL (repeat)."
+    "--round-robin",
+    is_flag=True,
+    help="Whole requests in strict rotation, blind to cache and load (a plain load balancer,"
+    " for comparison).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
@@ -118,21 +127,33 @@ def dashboard(
     "--config",
     type=click.Path(dir_okay=False),
     help="Cache config: makes routing cache-aware through the node agent; its"
-    " router.tenants make every request need a tenant's API key.",
+    " router.tenants make every request need a tenant's API key, router.split chooses"
+    " split, whole or auto.",
 )
 @friendly
 def router(
-    prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int, config: str | None
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    replica: tuple[str, ...],
+    round_robin: bool,
+    host: str,
+    port: int,
+    config: str | None,
 ) -> None:
-    """OpenAI-compatible P/D router (prefill max_tokens=1, then decode through the cache)."""
+    """OpenAI-compatible P/D router (prefill max_tokens=1, then decode through the cache),
+    or a replica router (--replica)."""
     from tiered_cache.router import run_router
 
-    for u in prefill + decode:
+    if replica and (prefill or decode):
+        raise CliError("--replica excludes --prefill and --decode")
+    if not replica and not (prefill and decode):
+        raise CliError("give --prefill and --decode servers (or --replica servers)")
+    for u in prefill + decode + replica:
         if not u.startswith(("http://", "https://")):
             raise CliError(f"backend URL must start with http:// or https://: {u!r}")
     cache = None
     tenants = []
-    local_max: int | None = None
+    kw: dict[str, Any] = {}
     if config:
         from tiered_cache.client import connect
 
@@ -142,10 +163,18 @@ def router(
             names = ", ".join(t.name for t in tenants)
             click.echo(f"tenants: {names} (API keys required)", err=True)
         cache = connect(cfg, embedded="never", attach_pool=False)
-        local_max = cfg.router.max_local_prefill_tokens
+        rc = cfg.router
+        kw = {
+            "max_local_prefill_tokens": rc.max_local_prefill_tokens, "split": rc.split,
+            "prefill_tokens_per_s": rc.prefill_tokens_per_s, "handoff_s": rc.handoff_s,
+            "decode_step_s": rc.decode_step_s,
+        }  # fmt: skip
+    if replica:
+        prefill, decode = (), replica
+        kw["split"] = "whole"
     run_router(
-        prefill, decode, host, port, cache=cache, tenants=tenants,
-        max_local_prefill_tokens=local_max,
+        prefill, decode, host, port, cache=cache, tenants=tenants, round_robin=round_robin,
+        **kw,
     )
 
 

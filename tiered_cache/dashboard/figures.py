@@ -35,6 +35,8 @@ def cumulative(rd: Reading) -> dict[str, Any]:
         "hit_tokens": _sum_by(rd.samples, "tiered_cache_hit_tokens_total", "tier"),
         "evictions": _sum_by(rd.samples, "tiered_cache_evictions_total", "tier"),
         "errors": {k: _total(rd.samples, f"tiered_cache_{k}_total") for k in ERROR_KINDS},
+        # A scraped router's (``--scrape ROUTER/metrics``): split, whole, skip.
+        "decisions": _sum_by(rd.samples, "tiered_cache_router_decisions_total", "kind"),
     }
 
 
@@ -206,6 +208,10 @@ class History:
             "errors_per_s": {
                 k: v / dt for k, v in self._delta(cum["errors"], base["errors"]).items()
             },
+            "decisions_per_s": {
+                k: v / dt
+                for k, v in self._delta(cum.get("decisions", {}), base.get("decisions", {})).items()
+            },
         }
         self.series.append(pt_series)
         return pt_series
@@ -226,6 +232,10 @@ class History:
             "errors_per_s": [sum(p["errors_per_s"].values()) for p in pts],
             "errors_per_s_by_kind": {
                 k: [p["errors_per_s"].get(k, 0.0) for p in pts] for k in ERROR_KINDS
+            },
+            "decisions_per_s": {
+                k: [p["decisions_per_s"].get(k, 0.0) for p in pts]
+                for k in sorted({k for p in pts for k in p["decisions_per_s"]})
             },
         }
 
