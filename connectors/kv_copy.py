@@ -103,7 +103,10 @@ class KVCopier:
         staged = None
         piece = kv.block_bytes * (a // max(1, len(block_ids)))  # a layer of a mean chunk
         if piece < PER_LAYER_COPY_MIN_BYTES and kv.payload_nbytes(a) <= MAX_DEVICE_STAGING_BYTES:
-            staged = torch.empty(kv.payload_shape(a), dtype=kv.dtype, device=kv.device)
+            try:
+                staged = torch.empty(kv.payload_shape(a), dtype=kv.dtype, device=kv.device)
+            except torch.OutOfMemoryError:  # vLLM took the memory: copy layer by layer
+                staged = None
         return SaveCopy(dests, [], kv.index(flat), parts, staged)
 
     def save_layer(self, sc: SaveCopy, li: int) -> None:
@@ -151,37 +154,51 @@ class KVCopier:
     def finish_save(self, sc: SaveCopy) -> None:
         """Join the layer copies, copy any layer the model never reported, and wait for the
         copy stream: the slots hold the step's KV when this returns, and vLLM may reuse the
-        blocks."""
-        for f in sc.copies:
-            f.result()
-        missing = [li for li in range(self.kv.num_layers) if li not in sc.layers]
-        if missing:
-            ev = self.dev.record()  # after the whole forward pass
-            with torch.inference_mode(), self.dev.on_copy_stream():
-                self.dev.copy_wait_event(ev)
-                for li in missing:
-                    self._gather(sc, li)
-        if sc.staged is not None:  # one copy per chunk: [L, a:b] of the staged layers
-            with self.dev.on_copy_stream():
-                for (a, b), dst in zip(sc.parts, sc.dests, strict=True):
-                    dst.copy_(sc.staged[:, a:b], non_blocking=True)
-        self.dev.sync_copies()
-        sc.staged = None
+        blocks. On an error every copy already queued is still waited for, so the caller
+        may release the slots."""
+        try:
+            err: BaseException | None = None
+            for f in sc.copies:
+                try:
+                    f.result()
+                except BaseException as e:  # join the others before raising
+                    err = err or e
+            if err is not None:
+                raise err
+            missing = [li for li in range(self.kv.num_layers) if li not in sc.layers]
+            if missing:
+                ev = self.dev.record()  # after the whole forward pass
+                with torch.inference_mode(), self.dev.on_copy_stream():
+                    self.dev.copy_wait_event(ev)
+                    for li in missing:
+                        self._gather(sc, li)
+            if sc.staged is not None:  # one copy per chunk: [L, a:b] of the staged layers
+                with self.dev.on_copy_stream():
+                    for (a, b), dst in zip(sc.parts, sc.dests, strict=True):
+                        dst.copy_(sc.staged[:, a:b], non_blocking=True)
+        finally:
+            self.dev.sync_copies()
+            sc.staged = None
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Every layer of ``block_ids`` into ``out`` (host), after all queued compute."""
-        with self.dev.on_copy_stream():
-            self.dev.copy_wait_compute()
+        self.dev.copy_wait_compute("save")  # from the compute stream, not inside the lane
+        with self.dev.on_copy_stream("save"):
             self.kv.gather(block_ids, out)
-        self.dev.sync_copies()
+        self.dev.sync_copies("save")
 
     # ------------------------------------------------------------------------ loads
 
-    def load_begin(self) -> None:
-        """Start a batch of loads: later copies wait for every kernel queued so far (with
-        async scheduling, a block being loaded may still be written for its last owner)."""
+    def load_begin(self, after: Any = None) -> None:
+        """Start a batch of loads: later copies wait for every kernel queued on the compute
+        stream so far, or, from another thread, up to ``after`` (an event recorded on the
+        compute stream when the load was asked for): with async scheduling a block being
+        loaded may still be written for its last owner."""
         self._stage().used = 0
-        self.dev.copy_wait_compute()
+        if after is not None:
+            self.dev.copy_wait_event(after, "load")
+        else:
+            self.dev.copy_wait_compute("load")
 
     def reserve_staging(self, nbytes: int) -> None:
         """Size the staging buffer for a batch of ``nbytes`` before ``load_begin``."""
@@ -197,30 +214,30 @@ class KVCopier:
         for before returning."""
         kv = self.kv
         if not self.dev.needs_pinned:
-            with self.dev.on_copy_stream():
+            with self.dev.on_copy_stream("load"):
                 kv.scatter(block_ids, src)
             return
         if src_pinned:
-            with self.dev.on_copy_stream():
+            with self.dev.on_copy_stream("load"):
                 kv.scatter(block_ids, src)
-            self.dev.sync_copies()  # the caller may release the slot once we return
+            self.dev.sync_copies("load")  # the caller may release the slot once we return
             return
         nbytes = src.numel() * src.element_size()
         st = self._stage()
         if st.used + nbytes > st.buf.capacity:
             # Full (or too small): let queued copies drain before reusing or regrowing it.
-            self.dev.sync_copies()
+            self.dev.sync_copies("load")
             st.used = 0
         buf = st.buf.reserve(nbytes)
         host = buf[st.used : st.used + nbytes].view(src.dtype).view(src.shape)
         host.copy_(src)
         st.used += nbytes
-        with self.dev.on_copy_stream():
+        with self.dev.on_copy_stream("load"):
             kv.scatter(block_ids, host)
 
     def load_end(self) -> None:
         """Wait for the batch's copies; the staging buffer is free again."""
-        self.dev.sync_copies()
+        self.dev.sync_copies("load")
         self._stage().used = 0
 
     def close(self) -> None:

@@ -51,24 +51,29 @@ class KVDevice:
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")
 
-    # -- streams and ordering
+    # -- streams and ordering. Loads and saves each have a side stream ("lane"), so a
+    # save's wait never includes a batch of loads queued before it, nor the reverse.
+    def bind_compute(self) -> None:
+        """Take the calling thread's current stream as the compute stream (vLLM's forward
+        runs on a stream of its own; helper threads would see another)."""
+
     @contextlib.contextmanager
-    def on_copy_stream(self) -> Iterator[None]:
-        """Run the enclosed copies on the side stream (CPU: inline)."""
+    def on_copy_stream(self, lane: str = "save") -> Iterator[None]:
+        """Run the enclosed copies on the lane's side stream (CPU: inline)."""
         yield
 
     def record(self) -> Any:
         """An event marking the current point of the compute stream (CPU: None)."""
         return None
 
-    def copy_wait_event(self, event: Any) -> None:
-        """Make later copies on the side stream wait for ``event`` (a save after its layer)."""
+    def copy_wait_event(self, event: Any, lane: str = "save") -> None:
+        """Make later copies on the lane wait for ``event`` (a save after its layer)."""
 
-    def copy_wait_compute(self) -> None:
-        """Make later copies on the side stream wait for all queued compute (a load)."""
+    def copy_wait_compute(self, lane: str = "load") -> None:
+        """Make later copies on the lane wait for all compute queued so far (a load)."""
 
-    def sync_copies(self) -> None:
-        """Block until every copy queued on the side stream is done."""
+    def sync_copies(self, lane: str = "save") -> None:
+        """Block until every copy queued on the lane is done."""
 
     def sync_current(self) -> None:
         """Block until the current (compute) stream's queued work is done."""
@@ -108,45 +113,59 @@ class CudaDevice(KVDevice):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self.stream = torch.cuda.Stream(device)
+        self.streams = {lane: torch.cuda.Stream(device) for lane in ("load", "save")}
+        self.compute: torch.cuda.Stream | None = None
+
+    def bind_compute(self) -> None:
+        self.compute = torch.cuda.current_stream(self.device)
+
+    def _compute(self) -> torch.cuda.Stream:
+        # Never a side stream: inside on_copy_stream the current stream is the lane's.
+        if self.compute is not None:
+            return self.compute
+        cur = torch.cuda.current_stream(self.device)
+        if cur in self.streams.values():
+            raise RuntimeError("no compute stream bound (bind_compute) inside a copy lane")
+        return cur
 
     @contextlib.contextmanager
-    def on_copy_stream(self) -> Iterator[None]:
-        with torch.cuda.stream(self.stream):
+    def on_copy_stream(self, lane: str = "save") -> Iterator[None]:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.streams[lane]):
             yield
 
     def record(self) -> Any:
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(self._compute())
         return ev
 
-    def copy_wait_event(self, event: Any) -> None:
+    def copy_wait_event(self, event: Any, lane: str = "save") -> None:
         if event is not None:
-            self.stream.wait_event(event)
+            self.streams[lane].wait_event(event)
 
-    def copy_wait_compute(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def copy_wait_compute(self, lane: str = "load") -> None:
+        self.streams[lane].wait_stream(self._compute())
 
-    def sync_copies(self) -> None:
-        self.stream.synchronize()
+    def sync_copies(self, lane: str = "save") -> None:
+        self.streams[lane].synchronize()
 
     def sync_current(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        self._compute().synchronize()
 
     def start_timer(self) -> Any:
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(self._compute())
         return ev
 
     def stop_timer(self, start: Any) -> Timing:
         end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
+        end.record(self._compute())
         return _CudaTiming(start, end)
 
     def pin_host(self, buf: memoryview) -> bool:
         from tiered_cache.cuda_host import register_host
 
-        return register_host(buf)
+        with torch.cuda.device(self.device):  # a helper thread's current device may be 0
+            return register_host(buf)
 
     def unpin_host(self, buf: memoryview) -> None:
         from tiered_cache.cuda_host import unregister_host

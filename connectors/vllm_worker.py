@@ -60,6 +60,7 @@ class WorkerSide(ConnectorBase):
     def __init__(self, args: ConnectorArgs) -> None:
         super().__init__(args)
         self._kv: PagedKV | None = None
+        self._pinned_store: SlotStore | None = None
         self._dev: KVDevice = KVDevice()
         self._copier: KVCopier | None = None
         self._save_staging: HostStaging | None = None
@@ -133,24 +134,33 @@ class WorkerSide(ConnectorBase):
             kv.device,
         )
         try:
-            store = self._open_store()
+            self._open_store()
         except Exception as e:  # an agent that cannot start costs vLLM nothing: recompute
             self._guard.failed(e if isinstance(e, OSError) else OSError(repr(e)))
             self._log_once("open", "tiered cache unavailable (%r): vLLM recomputes", e)
-            return
-        self._pin_pool(store)
+
+    def _open_store(self) -> SlotStore:
+        store = super()._open_store()
+        if store is not self._pinned_store and self._kv is not None:
+            self._pinned_store = store  # a new store (first open, or after close_store)
+            self._pin_pool(store)
+        return store
 
     def _pin_pool(self, store: SlotStore) -> None:
         """Page-lock this process's mapping of the DRAM pool (CUDA only), so loads and saves
-        DMA straight to and from it; the agent and the scheduler never pin it."""
+        DMA straight to and from it; the agent and the scheduler never pin it. A pool left
+        pageable makes every non-blocking save copy block the engine's thread until its
+        layer is computed: layer copies then move to the helper thread."""
         pin = getattr(store, "pin_pool", None)
         if not self._dev.needs_pinned or pin is None:
             return
         try:
-            ok = pin(self._dev.pin_host, self._dev.unpin_host)
+            ok = bool(pin(self._dev.pin_host, self._dev.unpin_host))
         except Exception as e:  # pageable copies are slower, not wrong
             self._log_once("pin", "tiered cache: DRAM pool not page-locked: %r", e)
-            return
+            ok = False
+        if self._copier is not None and not ok:
+            self._copier.copy_thread = True
         logger.info("TieredCacheConnector: DRAM pool %s", "page-locked" if ok else "pageable")
 
     def _worker_keys(self, chunks: Sequence[LoadChunk], tokens: Sequence[int] | None,
@@ -177,6 +187,7 @@ class WorkerSide(ConnectorBase):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         self._meta = connector_metadata
+        self._dev.bind_compute()  # the engine's stream, as this (its) thread sees it
         # The forward pass runs from here to wait_for_save: timed on the device for the
         # scheduler's recompute-cost estimate (sync loads inside it are subtracted).
         tokens = getattr(connector_metadata, "step_tokens", 0)
@@ -229,16 +240,19 @@ class WorkerSide(ConnectorBase):
         if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.loads:
             return
         t0 = time.perf_counter()
+        # Async loads copy from the loader thread: they wait for the compute stream up to
+        # here (recorded on this, the engine's, thread), not for whatever that thread sees.
+        after = self._dev.record() if any(j.is_async for j in meta.loads) else None
         for job in meta.loads:
             if job.is_async:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="tc-load")
-                self._inflight[job.req_id] = self._loader.submit(self._run_load, job)
+                self._inflight[job.req_id] = self._loader.submit(self._run_load, job, after)
             else:
                 self._load_errors |= self._run_load(job)
         self._sync_load_s += time.perf_counter() - t0
 
-    def _run_load(self, job: LoadJob) -> set[int]:
+    def _run_load(self, job: LoadJob, after: Any = None) -> set[int]:
         """Load one request's chunks. Returns the block ids that were not loaded (all of
         them at once while the agent is down: vLLM recomputes them)."""
         every = {b for c in job.chunks for b in c.block_ids}
@@ -246,7 +260,7 @@ class WorkerSide(ConnectorBase):
             self._stats.inc("recompute_fallbacks", "unavailable")
             return every
         try:
-            failed = self._load_job(job)
+            failed = self._load_job(job, after)
         except OSError as e:  # the agent went away mid-load
             self._guard.failed(e)
             self._stats.inc("store_errors", "load")
@@ -276,7 +290,7 @@ class WorkerSide(ConnectorBase):
             return f"chunk holds {meta.num_tokens} tokens, expected {c.num_tokens}"
         return None
 
-    def _load_job(self, job: LoadJob) -> set[int]:
+    def _load_job(self, job: LoadJob, after: Any = None) -> set[int]:
         kv = self._kv
         store = self._open_store()
         if kv is None:
@@ -317,7 +331,7 @@ class WorkerSide(ConnectorBase):
         for b0 in range(0, len(job.chunks), self._load_batch):
             chunks[:] = job.chunks[b0 : b0 + self._load_batch]
             copier.reserve_staging(sum(kv.payload_nbytes(len(c.block_ids)) for c in chunks))
-            copier.load_begin()
+            copier.load_begin(after)
             try:
                 ok, sources, refused = _fetch(
                     store, keys[b0 : b0 + self._load_batch], digest, sink
@@ -509,13 +523,18 @@ class WorkerSide(ConnectorBase):
         res = store.reserve_payloads(sizes)
         if res is None:
             return st  # no room for all of them in DRAM: the staged path copes
+        try:
+            dests = [
+                payload_tensor(v, kv.dtype, kv.payload_shape(len(s.block_ids)))
+                for v, (s, _, _) in zip(res.views, todo, strict=True)
+            ]
+            assert self._copier is not None
+            st.copy = self._copier.begin_save([s.block_ids for s, _, _ in todo], dests)
+        except BaseException:  # the slots go back; the staged path saves the chunks
+            with contextlib.suppress(Exception):
+                store.abort_reservation(res)
+            raise
         st.res = res
-        dests = [
-            payload_tensor(v, kv.dtype, kv.payload_shape(len(s.block_ids)))
-            for v, (s, _, _) in zip(res.views, todo, strict=True)
-        ]
-        assert self._copier is not None
-        st.copy = self._copier.begin_save([s.block_ids for s, _, _ in todo], dests)
         return st
 
     def _finish_copies(self, st: _StepSave) -> None:

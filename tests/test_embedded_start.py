@@ -5,9 +5,12 @@ DRAM pool, and ranks would write to one agent and read from another)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers_agent import FP, meta, payload, write_cfg
 
 
@@ -49,3 +52,27 @@ def test_ranks_that_find_no_agent_share_one_embedded_agent(tmp_path: Path) -> No
     for rank, _, found in results:
         assert found == [True, True, True], f"rank {rank}: {found}"
     assert len(list(tmp_path.glob("*.start-lock"))) == 1
+
+
+def test_the_start_lock_leaves_a_new_runtime_dir_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default socket lives in the per-user runtime dir, which the agent refuses if it
+    is open to others: the start lock must not be what creates it 0755."""
+    from tiered_cache.client import connect, shutdown_embedded
+    from tiered_cache.config import load_config
+
+    run = tmp_path / "run-not-yet"
+    monkeypatch.setenv("TIERED_CACHE_RUNTIME_DIR", str(run))
+    old = os.umask(0o022)
+    try:
+        cfg = load_config(write_cfg(tmp_path, nvme={"enabled": False}, agent={}))
+        client = connect(cfg, embedded="auto", timeout=30)
+        try:
+            assert client.node_id
+            assert stat.S_IMODE(run.stat().st_mode) == 0o700
+        finally:
+            client.close()
+    finally:
+        os.umask(old)
+        shutdown_embedded()

@@ -96,6 +96,9 @@ class AgentClient:
         # Set by a GPU worker (pin_pool): page-locks each mapping of the pool it copies from.
         self._pin_host: Callable[[memoryview], bool] | None = None
         self._unpin_host: Callable[[memoryview], None] | None = None
+        # Mappings pinned, the current one and earlier ones (kept mapped while views may
+        # still use them): all unpinned before they are closed.
+        self._pinned: list[memoryview] = []
         self._buf: memoryview | None = None
         self._index: SlotIndexReader | None = None
         self._touches: list[list[Any]] = []  # direct DRAM hits not yet reported
@@ -129,8 +132,8 @@ class AgentClient:
         buf = memoryview(shm.buf) if shm is not None and shm.buf is not None else None
         if buf is not None:
             prefault(buf, write=False)
-            if self._pin_host is not None:  # a GPU worker's pool, remapped: pin it again
-                self._pin_host(buf)
+            if self._pin_host is not None and self._pin_host(buf):  # a GPU worker's, remapped
+                self._pinned.append(buf)
         index = None
         if buf is not None and hello.get("index_shm"):
             try:
@@ -609,7 +612,10 @@ class AgentClient:
         """Page-lock the DRAM pool with ``pin`` now and after every remap; ``unpin`` runs
         before a mapping is closed. Only a process that DMA-copies to a GPU calls this."""
         self._pin_host, self._unpin_host = pin, unpin
-        return self._buf is not None and pin(self._buf)
+        if self._buf is None or not pin(self._buf):
+            return False
+        self._pinned.append(self._buf)
+        return True
 
     def close(self) -> None:
         try:
@@ -630,8 +636,10 @@ class AgentClient:
                 if isinstance(ix, SlotIndexReader):
                     ix.close()
             self._index = None
-            if self._unpin_host is not None and self._buf is not None:
-                self._unpin_host(self._buf)
+            if self._unpin_host is not None:
+                for mv in self._pinned:
+                    self._unpin_host(mv)
+            self._pinned.clear()
             try:
                 if self._buf is not None:
                     self._buf.release()
@@ -718,7 +726,9 @@ def _start_lock(socket_path: str) -> Iterator[None]:
     """An exclusive lock shared by every process that may start an agent on ``socket_path``."""
     import fcntl
 
-    os.makedirs(os.path.dirname(os.path.abspath(socket_path)), exist_ok=True)
+    d = os.path.dirname(os.path.abspath(socket_path))
+    if not os.path.isdir(d):  # the agent would refuse a runtime dir open to others
+        os.makedirs(d, mode=0o700, exist_ok=True)
     fd = os.open(socket_path + ".start-lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -20,6 +20,7 @@ import threading
 
 log = logging.getLogger(__name__)
 
+_PORTABLE = 1  # cudaHostRegisterPortable
 _lock = threading.Lock()
 _registered: dict[int, int] = {}  # address -> bytes
 
@@ -40,7 +41,8 @@ def register_host(buf: memoryview) -> bool:
         with _lock:
             if addr in _registered:
                 return True
-            rc = int(torch.cuda.cudart().cudaHostRegister(addr, buf.nbytes, 0))
+            # Portable: pinned for every CUDA context, whichever thread or device pins.
+            rc = int(torch.cuda.cudart().cudaHostRegister(addr, buf.nbytes, _PORTABLE))
             if rc != 0:
                 log.warning(
                     "cudaHostRegister of the DRAM pool (%d MiB) failed (error %d): loads and "

@@ -28,16 +28,18 @@ class RecordingDevice(KVDevice):
         with self._lock:
             self.calls.append(call)
 
-    def in_copy_stream(self) -> bool:
-        return bool(getattr(self.on_stream, "depth", 0))
+    def in_copy_stream(self) -> str | None:
+        """The lane the calling thread is copying on, None on the compute stream."""
+        return getattr(self.on_stream, "lane", None)
 
     @contextlib.contextmanager
-    def on_copy_stream(self) -> Iterator[None]:
-        self.on_stream.depth = getattr(self.on_stream, "depth", 0) + 1
+    def on_copy_stream(self, lane: str = "save") -> Iterator[None]:
+        outer = self.in_copy_stream()
+        self.on_stream.lane = lane
         try:
             yield
         finally:
-            self.on_stream.depth -= 1
+            self.on_stream.lane = outer
 
     def record(self) -> Any:
         with self._lock:
@@ -46,14 +48,15 @@ class RecordingDevice(KVDevice):
         self.log("record", ev)
         return ev
 
-    def copy_wait_event(self, event: Any) -> None:
-        self.log("wait_event", event)
+    def copy_wait_event(self, event: Any, lane: str = "save") -> None:
+        self.log("wait_event", event, lane)
 
-    def copy_wait_compute(self) -> None:
-        self.log("wait_compute")
+    def copy_wait_compute(self, lane: str = "load") -> None:
+        # Called inside a lane it would wait for the lane itself (a no-op on CUDA).
+        self.log("wait_compute", lane, self.in_copy_stream())
 
-    def sync_copies(self) -> None:
-        self.log("sync_copies")
+    def sync_copies(self, lane: str = "save") -> None:
+        self.log("sync_copies", lane)
 
     def sync_current(self) -> None:
         self.log("sync_current")
