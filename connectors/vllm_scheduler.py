@@ -90,6 +90,7 @@ class _ReqState:
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0
     tail_key: str | None = None  # key of the block-aligned copy of the partial tail
+    save: bool = False  # this request's computed chunks go to the cache (``_save_from``)
 
 
 class SchedulerSide(ConnectorBase):
@@ -145,14 +146,51 @@ class SchedulerSide(ConnectorBase):
             return n
         return len(keys) if self._wait_mode in ("true", "1", "yes", "always") else 0
 
+    def _save_from(self, request: Request) -> int | None:
+        """Whether this request's chunks are saved: None if not, else how many leading
+        chunks its prefill saved already (those need no second copy). A producer saves
+        every prompt. A consumer saves what it computes of a P/D request (one with the
+        router's ``tiered_cache`` hint) past the chunks its prefill listed: all of them
+        when the router skipped the prefill, so the next turn finds this turn's tail."""
+        if self._save_enabled:
+            return 0
+        if not (self._save_computed and self._load_enabled):
+            return None
+        params = getattr(request, "kv_transfer_params", None) or {}
+        hint = params.get("tiered_cache") if isinstance(params, Mapping) else None
+        if not isinstance(hint, Mapping) or not isinstance(hint.get("keys"), list):
+            return None  # no P/D handoff: the role's default (a consumer saves nothing)
+        saved = set(hint["keys"])
+        keys = self._req_keys(request.prompt_token_ids or [], self._salt(request))
+        n = 0
+        while n < len(keys) and keys[n] in saved:
+            n += 1
+        return n
+
+    def _found(self, rid: str, keys: Sequence[str]) -> int:
+        """Leading chunks of ``keys`` the cache holds: what this request's own lookup
+        found (no second round trip for a miss), else a lookup."""
+        w = self._waits.get(rid)
+        if w is not None and w.looked_at >= 0 and keys[: len(w.keys)] == w.keys:
+            return len(w.sources)
+        return len(self._lookup(keys))
+
     def _lookup(self, keys: Sequence[str]) -> list[str]:
         if not keys:
             return []
         return self._guarded("lookup", lambda st: list(st.lookup(keys)), [])
 
-    def _lookup_priced(self, keys: Sequence[str]) -> tuple[list[str], list[float]]:
+    def _lookup_priced(
+        self, keys: Sequence[str], fresh: bool = False
+    ) -> tuple[list[str], list[float]]:
+        """``fresh``: chunks another node is writing for this request (its prefill's)
+        must not be answered from the agent's recent misses."""
+
         def priced(st: SlotStore) -> tuple[list[str], list[float]]:
-            found, costs = st.lookup_priced(keys, self._chunk_bytes)
+            if fresh:
+                found, costs = st.lookup_priced(keys, self._chunk_bytes, fresh=True)
+            else:
+                found, costs = st.lookup_priced(keys, self._chunk_bytes)
             return list(found), list(costs)
 
         none: tuple[list[str], list[float]] = ([], [])
@@ -194,7 +232,7 @@ class SchedulerSide(ConnectorBase):
             self._count_once(rid, "unavailable")
             return 0, False  # the cache is down: recompute, never wait for it
         if w.looked_at < 0 or now - w.looked_at >= self._poll_s:
-            w.sources, w.costs = self._lookup_priced(w.keys)
+            w.sources, w.costs = self._lookup_priced(w.keys, w.coming > 0 and not w.gave_up)
             w.looked_at = now
             for i, src in enumerate(w.sources):  # a staged chunk counts where it came from
                 if src not in NODE_TIERS:
@@ -369,7 +407,8 @@ class SchedulerSide(ConnectorBase):
         if not self._cacheable(request):
             return
         st = self._reqs.get(rid)
-        if st is None and (num_external_tokens > 0 or self._save_enabled):
+        save_from = self._save_from(request) if st is None else None
+        if st is None and (num_external_tokens > 0 or save_from is not None):
             prompt = list(request.prompt_token_ids or [])
             salt = self._salt(request)
             st = _ReqState(
@@ -389,9 +428,10 @@ class SchedulerSide(ConnectorBase):
                         prompt, self._fp, salt, parent, tail.start, [aligned]
                     )[0]
             self._reqs[rid] = st
-            if self._save_enabled:
-                # Chunks already in the cache need no second copy.
-                st.next_save = len(self._lookup(st.keys))
+            if save_from is not None:
+                # Chunks already in the cache, or saved by its prefill, need no second copy.
+                st.next_save = max(save_from, self._found(rid, st.keys))
+                st.save = self._save_enabled or st.next_save < len(st.spans)
         if st is None:
             return
         self._waits.pop(rid, None)  # scheduled: a preemption starts over (no waiting)
@@ -505,12 +545,12 @@ class SchedulerSide(ConnectorBase):
         self._pending_loads = []
         self._idle = scheduler_output.total_num_scheduled_tokens == 0
         self._held = False
-        if not self._save_enabled or not self._reqs:
+        if not self._reqs:
             return meta
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
-            if st is None:
+            if st is None or not st.save:
                 continue
             if new.block_ids:
                 st.block_ids = list(new.block_ids[0])
@@ -520,7 +560,7 @@ class SchedulerSide(ConnectorBase):
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
-            if st is None:
+            if st is None or not st.save:
                 continue
             nb = cached.new_block_ids[i]
             if nb:
