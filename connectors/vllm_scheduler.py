@@ -146,26 +146,21 @@ class SchedulerSide(ConnectorBase):
             return n
         return len(keys) if self._wait_mode in ("true", "1", "yes", "always") else 0
 
-    def _save_from(self, request: Request) -> int | None:
-        """Whether this request's chunks are saved: None if not, else how many leading
-        chunks its prefill saved already (those need no second copy). A producer saves
-        every prompt. A consumer saves what it computes of a P/D request (one with the
-        router's ``tiered_cache`` hint) past the chunks its prefill listed: all of them
-        when the router skipped the prefill, so the next turn finds this turn's tail."""
+    def _saved_elsewhere(self, request: Request) -> set[str] | None:
+        """Whether this request's chunks are saved here: None if not, else the keys its
+        prefill saved already (they need no second copy). A producer saves every prompt.
+        A consumer saves what it computes of a P/D request (one with the router's
+        ``tiered_cache`` hint) past the chunks its prefill listed: all of them when the
+        router skipped the prefill, so the next turn finds this turn's tail."""
         if self._save_enabled:
-            return 0
+            return set()
         if not (self._save_computed and self._load_enabled):
             return None
         params = getattr(request, "kv_transfer_params", None) or {}
         hint = params.get("tiered_cache") if isinstance(params, Mapping) else None
         if not isinstance(hint, Mapping) or not isinstance(hint.get("keys"), list):
             return None  # no P/D handoff: the role's default (a consumer saves nothing)
-        saved = set(hint["keys"])
-        keys = self._req_keys(request.prompt_token_ids or [], self._salt(request))
-        n = 0
-        while n < len(keys) and keys[n] in saved:
-            n += 1
-        return n
+        return set(hint["keys"])
 
     def _found(self, rid: str, keys: Sequence[str]) -> int:
         """Leading chunks of ``keys`` the cache holds: what this request's own lookup
@@ -407,8 +402,8 @@ class SchedulerSide(ConnectorBase):
         if not self._cacheable(request):
             return
         st = self._reqs.get(rid)
-        save_from = self._save_from(request) if st is None else None
-        if st is None and (num_external_tokens > 0 or save_from is not None):
+        elsewhere = self._saved_elsewhere(request) if st is None else None
+        if st is None and (num_external_tokens > 0 or elsewhere is not None):
             prompt = list(request.prompt_token_ids or [])
             salt = self._salt(request)
             st = _ReqState(
@@ -428,9 +423,12 @@ class SchedulerSide(ConnectorBase):
                         prompt, self._fp, salt, parent, tail.start, [aligned]
                     )[0]
             self._reqs[rid] = st
-            if save_from is not None:
+            if elsewhere is not None:
                 # Chunks already in the cache, or saved by its prefill, need no second copy.
-                st.next_save = max(save_from, self._found(rid, st.keys))
+                by_prefill = 0
+                while by_prefill < len(st.keys) and st.keys[by_prefill] in elsewhere:
+                    by_prefill += 1
+                st.next_save = max(by_prefill, self._found(rid, st.keys))
                 st.save = self._save_enabled or st.next_save < len(st.spans)
         if st is None:
             return
