@@ -90,7 +90,11 @@ class _ReqState:
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0
     tail_key: str | None = None  # key of the block-aligned copy of the partial tail
-    save: bool = False  # this request's computed chunks go to the cache (``_save_from``)
+    save: bool = False  # this request's computed chunks go to the cache (``_saved_elsewhere``)
+    # Saved a step late: a decode saves what it computed for a later turn once its first
+    # token is out, so the copy is not part of its TTFT (the prompt's blocks stay as they
+    # are while it decodes). A request that ends at its first token saves nothing.
+    lag: bool = False
 
 
 class SchedulerSide(ConnectorBase):
@@ -430,6 +434,7 @@ class SchedulerSide(ConnectorBase):
                     by_prefill += 1
                 st.next_save = max(by_prefill, self._found(rid, st.keys))
                 st.save = self._save_enabled or st.next_save < len(st.spans)
+                st.lag = not self._save_enabled
         if st is None:
             return
         self._waits.pop(rid, None)  # scheduled: a preemption starts over (no waiting)
@@ -552,7 +557,7 @@ class SchedulerSide(ConnectorBase):
                 continue
             if new.block_ids:
                 st.block_ids = list(new.block_ids[0])
-            done = new.num_computed_tokens + sched.get(new.req_id, 0)
+            done = new.num_computed_tokens + (0 if st.lag else sched.get(new.req_id, 0))
             self._plan_saves(st, done, meta)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
@@ -566,7 +571,7 @@ class SchedulerSide(ConnectorBase):
                     st.block_ids = list(nb[0])
                 else:
                     st.block_ids.extend(nb[0])
-            done = cached.num_computed_tokens[i] + sched.get(rid, 0)
+            done = cached.num_computed_tokens[i] + (0 if st.lag else sched.get(rid, 0))
             self._plan_saves(st, done, meta)
         return meta
 

@@ -1234,6 +1234,14 @@ def test_an_idle_engine_holds_the_scheduler_until_prefetched_chunks_land(
     assert len(remote.waits) == 1 and 0 < remote.waits[0] <= 0.05
 
 
+def decode_step(r: FakeRequest, computed: int) -> Any:
+    """SchedulerOutput stand-in: ``r`` (running) decodes one token after ``computed``."""
+    cached = SimpleNamespace(req_ids=[r.request_id], new_block_ids=[None],
+                             num_computed_tokens=[computed], resumed_req_ids=set())  # fmt: skip
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={r.request_id: 1}, total_num_scheduled_tokens=1)
+
+
 def test_a_decode_saves_what_it_computes_when_the_router_skipped_the_prefill(
     vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1260,7 +1268,10 @@ def test_a_decode_saves_what_it_computes_when_the_router_skipped_the_prefill(
     d.sched.update_state_after_alloc(req, FakeBlocks(blocks), 144)
     assert len(lookups) == 1  # the match's lookup only
     d.step(sched_output([]))
-    meta = d.step(sched_output([(req, blocks, 144, len(turn2) - 144)]))
+    # The step that computes the prompt (and samples the first token) copies nothing out:
+    # the save comes a step later, off the request's TTFT.
+    assert d.step(sched_output([(req, blocks, 144, len(turn2) - 144)])).saves == []
+    meta = d.step(decode_step(req, len(turn2)))
     assert [(s.index, s.num_tokens, s.aligned) for s in meta.saves] == [
         (2, 62, False), (2, 48, True)
     ]
@@ -1281,5 +1292,5 @@ def test_a_decode_saves_what_it_computes_when_the_router_skipped_the_prefill(
         d.sched.update_state_after_alloc(r, FakeBlocks(b), got)
         d.step(sched_output([]))
         m = d.step(sched_output([(r, b, got, len(turn3) - got)]))
-        assert m.saves == [], rid
+        assert m.saves == [] and d.step(decode_step(r, len(turn3))).saves == [], rid
         d.sched.request_finished(r, b)
