@@ -9,7 +9,9 @@ Load it with::
 
 Roles: a producer (prefill) saves every prompt's full chunks and its partial tail chunk;
 a consumer (decode) loads the longest cached prefix, at most all of the prompt but its
-last token; ``kv_both`` does both (offload and reuse its own prefixes).
+last token; ``kv_both`` does both (offload and reuse its own prefixes). Saving is decided
+per request: a consumer also saves what it computes of a P/D request whose prefill did
+not save it (the router skipped the prefill), so the next turn finds this turn's tail.
 
 ``kv_connector_extra_config`` keys (all optional):
 
@@ -17,6 +19,10 @@ last token; ``kv_both`` does both (offload and reuse its own prefixes).
     tokens per chunk; a multiple of vLLM's KV block size.
 ``save_unfull_chunk`` (the cache config's, true)
     a producer also saves a prompt's last, partial chunk.
+``save_computed`` (true)
+    a consumer saves the chunks it computes of a request that carries the router's
+    ``tiered_cache`` hint, past those the hint says its prefill saved (all of them when
+    the router skipped the prefill); false: a consumer never saves.
 ``block_aliases`` (true)
     a producer also names the block-aligned prefixes of each whole chunk it saves (one
     fire-and-forget frame to its agent), so a prompt that diverges inside that chunk

@@ -299,8 +299,12 @@ class ConnectorBase:
         self._save_unfull = _as_bool(
             self._extra.get("save_unfull_chunk", cache_cfg.save_unfull_chunk)
         )
+        # Saving is decided per request (``SchedulerSide._save_from``): a producer saves
+        # every prompt; a consumer saves what it computes of a P/D request whose prefill
+        # did not save it (the router skipped the prefill), unless ``save_computed`` is off.
         self._save_enabled = bool(ktc.is_kv_producer)
         self._load_enabled = bool(ktc.is_kv_consumer)
+        self._save_computed = _as_bool(self._extra.get("save_computed", True))
         self._role_name = str(ktc.kv_role)
         # "auto": chunks in this node's DRAM or NVMe load synchronously inside the forward
         # pass (milliseconds). Chunks on a peer or in S3 are first copied into DRAM by the

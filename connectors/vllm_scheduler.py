@@ -90,6 +90,11 @@ class _ReqState:
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0
     tail_key: str | None = None  # key of the block-aligned copy of the partial tail
+    save: bool = False  # this request's computed chunks go to the cache (``_saved_elsewhere``)
+    # Saved a step late: a decode saves what it computed for a later turn once its first
+    # token is out, so the copy is not part of its TTFT (the prompt's blocks stay as they
+    # are while it decodes). A request that ends at its first token saves nothing.
+    lag: bool = False
 
 
 class SchedulerSide(ConnectorBase):
@@ -145,14 +150,46 @@ class SchedulerSide(ConnectorBase):
             return n
         return len(keys) if self._wait_mode in ("true", "1", "yes", "always") else 0
 
+    def _saved_elsewhere(self, request: Request) -> set[str] | None:
+        """Whether this request's chunks are saved here: None if not, else the keys its
+        prefill saved already (they need no second copy). A producer saves every prompt.
+        A consumer saves what it computes of a P/D request (one with the router's
+        ``tiered_cache`` hint) past the chunks its prefill listed: all of them when the
+        router skipped the prefill, so the next turn finds this turn's tail."""
+        if self._save_enabled:
+            return set()
+        if not (self._save_computed and self._load_enabled):
+            return None
+        params = getattr(request, "kv_transfer_params", None) or {}
+        hint = params.get("tiered_cache") if isinstance(params, Mapping) else None
+        if not isinstance(hint, Mapping) or not isinstance(hint.get("keys"), list):
+            return None  # no P/D handoff: the role's default (a consumer saves nothing)
+        return set(hint["keys"])
+
+    def _found(self, rid: str, keys: Sequence[str]) -> int:
+        """Leading chunks of ``keys`` the cache holds: what this request's own lookup
+        found (no second round trip for a miss), else a lookup."""
+        w = self._waits.get(rid)
+        if w is not None and w.looked_at >= 0 and keys[: len(w.keys)] == w.keys:
+            return len(w.sources)
+        return len(self._lookup(keys))
+
     def _lookup(self, keys: Sequence[str]) -> list[str]:
         if not keys:
             return []
         return self._guarded("lookup", lambda st: list(st.lookup(keys)), [])
 
-    def _lookup_priced(self, keys: Sequence[str]) -> tuple[list[str], list[float]]:
+    def _lookup_priced(
+        self, keys: Sequence[str], fresh: bool = False
+    ) -> tuple[list[str], list[float]]:
+        """``fresh``: chunks another node is writing for this request (its prefill's)
+        must not be answered from the agent's recent misses."""
+
         def priced(st: SlotStore) -> tuple[list[str], list[float]]:
-            found, costs = st.lookup_priced(keys, self._chunk_bytes)
+            if fresh:
+                found, costs = st.lookup_priced(keys, self._chunk_bytes, fresh=True)
+            else:
+                found, costs = st.lookup_priced(keys, self._chunk_bytes)
             return list(found), list(costs)
 
         none: tuple[list[str], list[float]] = ([], [])
@@ -194,7 +231,7 @@ class SchedulerSide(ConnectorBase):
             self._count_once(rid, "unavailable")
             return 0, False  # the cache is down: recompute, never wait for it
         if w.looked_at < 0 or now - w.looked_at >= self._poll_s:
-            w.sources, w.costs = self._lookup_priced(w.keys)
+            w.sources, w.costs = self._lookup_priced(w.keys, w.coming > 0 and not w.gave_up)
             w.looked_at = now
             for i, src in enumerate(w.sources):  # a staged chunk counts where it came from
                 if src not in NODE_TIERS:
@@ -369,7 +406,8 @@ class SchedulerSide(ConnectorBase):
         if not self._cacheable(request):
             return
         st = self._reqs.get(rid)
-        if st is None and (num_external_tokens > 0 or self._save_enabled):
+        elsewhere = self._saved_elsewhere(request) if st is None else None
+        if st is None and (num_external_tokens > 0 or elsewhere is not None):
             prompt = list(request.prompt_token_ids or [])
             salt = self._salt(request)
             st = _ReqState(
@@ -389,9 +427,14 @@ class SchedulerSide(ConnectorBase):
                         prompt, self._fp, salt, parent, tail.start, [aligned]
                     )[0]
             self._reqs[rid] = st
-            if self._save_enabled:
-                # Chunks already in the cache need no second copy.
-                st.next_save = len(self._lookup(st.keys))
+            if elsewhere is not None:
+                # Chunks already in the cache, or saved by its prefill, need no second copy.
+                by_prefill = 0
+                while by_prefill < len(st.keys) and st.keys[by_prefill] in elsewhere:
+                    by_prefill += 1
+                st.next_save = max(by_prefill, self._found(rid, st.keys))
+                st.save = self._save_enabled or st.next_save < len(st.spans)
+                st.lag = not self._save_enabled
         if st is None:
             return
         self._waits.pop(rid, None)  # scheduled: a preemption starts over (no waiting)
@@ -505,22 +548,22 @@ class SchedulerSide(ConnectorBase):
         self._pending_loads = []
         self._idle = scheduler_output.total_num_scheduled_tokens == 0
         self._held = False
-        if not self._save_enabled or not self._reqs:
+        if not self._reqs:
             return meta
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
-            if st is None:
+            if st is None or not st.save:
                 continue
             if new.block_ids:
                 st.block_ids = list(new.block_ids[0])
-            done = new.num_computed_tokens + sched.get(new.req_id, 0)
+            done = new.num_computed_tokens + (0 if st.lag else sched.get(new.req_id, 0))
             self._plan_saves(st, done, meta)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
-            if st is None:
+            if st is None or not st.save:
                 continue
             nb = cached.new_block_ids[i]
             if nb:
@@ -528,7 +571,7 @@ class SchedulerSide(ConnectorBase):
                     st.block_ids = list(nb[0])
                 else:
                     st.block_ids.extend(nb[0])
-            done = cached.num_computed_tokens[i] + sched.get(rid, 0)
+            done = cached.num_computed_tokens[i] + (0 if st.lag else sched.get(rid, 0))
             self._plan_saves(st, done, meta)
         return meta
 

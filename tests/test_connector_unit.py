@@ -1233,3 +1233,65 @@ def test_an_idle_engine_holds_the_scheduler_until_prefetched_chunks_land(
     d.step(sched_output([]))  # a step that ran nothing: the engine only polls
     assert d.sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, False)
     assert len(remote.waits) == 1 and 0 < remote.waits[0] <= 0.05
+
+
+def decode_step(r: FakeRequest, computed: int) -> Any:
+    """SchedulerOutput stand-in: ``r`` (running) decodes one token after ``computed``."""
+    cached = SimpleNamespace(req_ids=[r.request_id], new_block_ids=[None],
+                             num_computed_tokens=[computed], resumed_req_ids=set())  # fmt: skip
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={r.request_id: 1}, total_num_scheduled_tokens=1)
+
+
+def test_a_decode_saves_what_it_computes_when_the_router_skipped_the_prefill(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving is decided per request, not per role. Turn 1 ran through a prefill. Turn 2
+    grew inside a chunk, so the router skipped its prefill: the decode loads what turn 1
+    saved and computes the rest, and saves that (the chunk and its whole blocks), or turn
+    3 would find only turn 1's chunks. A miss is looked up once: the chunks its own
+    lookup found are not looked up again when the request is allocated."""
+    prefill(vllm_mod, store)  # PROMPT, 150 tokens: chunks 0, 1, a 22-token tail (+16 aligned)
+    d = Node(vllm_mod, "kv_consumer", seed=2, load_wait_timeout_s=30, lookup_poll_s=0)
+    lookups: list[int] = []
+    lookup = store.lookup
+
+    def counted(keys: Any) -> list[str]:
+        lookups.append(len(keys))
+        return lookup(keys)
+
+    monkeypatch.setattr(store, "lookup", counted)
+    turn2 = [*PROMPT, *range(600, 640)]  # 190 tokens: chunk 2 grows to 62
+    req = FakeRequest("d2", turn2, kv_transfer_params=hint([]))  # the router skipped
+    d.sched.on_new_request(req)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (128 + 16, False)
+    blocks = [*D_BLOCKS, 50, 51]
+    d.sched.update_state_after_alloc(req, FakeBlocks(blocks), 144)
+    assert len(lookups) == 1  # the match's lookup only
+    d.step(sched_output([]))
+    # The step that computes the prompt (and samples the first token) copies nothing out:
+    # the save comes a step later, off the request's TTFT.
+    assert d.step(sched_output([(req, blocks, 144, len(turn2) - 144)])).saves == []
+    meta = d.step(decode_step(req, len(turn2)))
+    assert [(s.index, s.num_tokens, s.aligned) for s in meta.saves] == [
+        (2, 62, False), (2, 48, True)
+    ]
+    d.sched.request_finished(req, blocks)
+    # Turn 3 (220 tokens, chunk 2 now whole) finds the decode's 48 aligned tokens.
+    turn3 = [*turn2, *range(700, 730)]
+    req3 = FakeRequest("d3", turn3, kv_transfer_params=hint([]))
+    d.sched.on_new_request(req3)
+    assert d.sched.get_num_new_matched_tokens(req3, 0) == (128 + 48, False)
+    # A decode whose prefill saved the whole prompt saves nothing; nor does one without
+    # the router's hint (a plain consumer).
+    p_keys = d.sched.scheduler._req_keys(turn3, None)
+    for rid, params in (("d4", hint(p_keys)), ("d5", None)):
+        r = FakeRequest(rid, turn3, kv_transfer_params=params)
+        d.sched.on_new_request(r)
+        got = d.sched.get_num_new_matched_tokens(r, 0)[0] or 0
+        b = list(range(-(-len(turn3) // BS)))
+        d.sched.update_state_after_alloc(r, FakeBlocks(b), got)
+        d.step(sched_output([]))
+        m = d.step(sched_output([(r, b, got, len(turn3) - got)]))
+        assert m.saves == [] and d.step(decode_step(r, len(turn3))).saves == [], rid
+        d.sched.request_finished(r, b)

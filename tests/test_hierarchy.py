@@ -513,3 +513,73 @@ async def test_a_prefetch_asks_the_directory_once_and_its_waiter_wakes_when_chun
     finally:
         gate.set()  # a failed assertion must not leave close() waiting on held copies
         await store.close()
+
+
+async def test_a_missing_key_is_asked_about_once_until_a_local_put(
+    s3_server, s3_bucket, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """One request asks about its missing chunk several times within a second (router,
+    prefill lookup, partial probe, decode): only the first costs a directory round trip
+    and an S3 HEAD. A local put is found at once; another node's write is found by a
+    ``fresh`` lookup (a decode waiting for its prefill's chunks) or once the miss ages."""
+    from tiered_cache.directory import LocalDirectory
+    from tiered_cache.hierarchy import reads
+
+    m = Metrics()
+    d = LocalDirectory()
+    s3 = S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1", metrics=m)
+    store = TieredStore([TierSlot(dram(4)), TierSlot(s3, write_mode="write_through")],
+                        node_id="me", directory=d, metrics=m)  # fmt: skip
+    other = S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1")
+    locates: list[int] = []
+    heads: list[str] = []
+    locate, head = d.locate, s3._head
+
+    async def counted_locate(keys):  # type: ignore[no-untyped-def]
+        locates.append(len(keys))
+        return await locate(keys)
+
+    def counted_head(okey: str) -> bool | BaseException:
+        heads.append(okey)
+        return head(okey)
+
+    d.locate = counted_locate  # type: ignore[method-assign]
+    s3._head = counted_head  # type: ignore[method-assign]
+
+    def asked() -> tuple[int, int]:
+        n = (len(locates), len(heads))
+        locates.clear()
+        heads.clear()
+        return n
+
+    k0, k1 = key(10), key(11)
+    try:
+        assert await store.lookup([k0, k1]) == []
+        assert asked() == (1, 1)  # one round trip, one HEAD (the prefix stops at k0)
+        assert await store.lookup([k0, k1]) == []
+        assert await store.lookup_priced([k0, k1], 100) == ([], [])
+        assert await store.present([k0]) == [None]
+        assert asked() == (0, 0)
+        assert m.value("tiered_cache_absent_skipped_total") >= 3
+        assert await store.lookup([k0], fresh=True) == []
+        assert asked() == (1, 1)
+        # A local put: found at once, no remote query for it.
+        assert await store.put(k0, blob(k0))
+        assert await store.lookup([k0]) == ["dram"]
+        assert asked() == (0, 0)
+        # Another node writes k1 (to S3, and says so in the directory).
+        await other.put(k1, blob(k1))
+        await d.publish("other", "s3", [k1], 60)
+        assert await store.lookup([k0, k1]) == ["dram"]  # still the remembered miss
+        assert asked() == (0, 0)
+        assert await store.lookup([k0, k1], fresh=True) == ["dram", "s3"]
+        assert asked()[0] == 1
+        # A miss remembered for no time is asked about every time.
+        monkeypatch.setattr(reads, "ABSENT_S", 0.0)
+        k2 = key(12)
+        assert await store.lookup([k2]) == []
+        assert await store.lookup([k2]) == []
+        assert asked() == (2, 2)
+    finally:
+        await store.close()
+        await other.close()

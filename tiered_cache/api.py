@@ -97,9 +97,10 @@ class SlotStore(ChunkStore, Protocol):
         ...
 
     def lookup_priced(
-        self, keys: Sequence[str], nbytes: int = 0
+        self, keys: Sequence[str], nbytes: int = 0, fresh: bool = False
     ) -> tuple[list[str], list[float]]:
-        """``lookup``, with the expected seconds to load each chunk from its source."""
+        """``lookup``, with the expected seconds to load each chunk from its source.
+        ``fresh``: not answered from recently remembered misses."""
         ...
 
     def present(
@@ -205,7 +206,7 @@ class MemoryChunkStore:
         return ""
 
     def lookup_priced(
-        self, keys: Sequence[str], nbytes: int = 0
+        self, keys: Sequence[str], nbytes: int = 0, fresh: bool = False
     ) -> tuple[list[str], list[float]]:
         found = self.lookup(keys)
         return found, [0.0] * len(found)

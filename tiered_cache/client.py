@@ -263,15 +263,15 @@ class AgentClient:
         self._retry(lambda: self._call(Hello()))
 
     def lookup_priced(
-        self, keys: Sequence[str], nbytes: int = 0
+        self, keys: Sequence[str], nbytes: int = 0, fresh: bool = False
     ) -> tuple[list[str], list[float]]:
         """``lookup`` plus the agent's expected seconds to load each found chunk from its
-        source (priced at ``nbytes`` when its size is not known locally)."""
+        source (priced at ``nbytes`` when its size is not known locally). ``fresh``: not
+        answered from the agent's recent misses (a chunk another node is writing now)."""
         if not keys:
             return [], []
-        r = self._retry(
-            lambda: self._call(Lookup(list(keys), priced=True, nbytes=int(nbytes)))
-        )  # fmt: skip
+        req = Lookup(list(keys), priced=True, nbytes=int(nbytes), fresh=bool(fresh))
+        r = self._retry(lambda: self._call(req))
         return list(r["sources"]), [float(c) for c in r["costs"]]
 
     def present(

@@ -57,6 +57,9 @@ class StoreEvents:
     def peer_skipped(self) -> None:
         """A read or lookup passed over a peer whose breaker is open."""
 
+    def absent_skipped(self, n: int) -> None:
+        """A lookup answered ``n`` keys missing from a recent miss (no remote query)."""
+
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int | None) -> None:
         """``tier``'s occupancy, as last measured."""
 
@@ -129,6 +132,9 @@ class MetricsEvents(StoreEvents):
 
     def peer_skipped(self) -> None:
         self.m.peer_fetches_skipped.inc()
+
+    def absent_skipped(self, n: int) -> None:
+        self.m.absent_skipped.inc(n)
 
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int | None) -> None:
         self.m.used_bytes.labels(tier).set(used_bytes)

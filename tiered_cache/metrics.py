@@ -103,6 +103,12 @@ class Metrics:
         self.read_errors = Counter(
             p + "read_errors", "Reads that failed (I/O)", ["tier"], registry=r
         )
+        self.absent_skipped = Counter(
+            p + "absent_skipped",
+            "Keys a lookup answered missing from a recent miss, without asking the "
+            "directory or S3 again",
+            registry=r,
+        )
         self.verification_failures = Counter(
             p + "verification_failures", "Chunks that failed verification", ["tier"], registry=r
         )

@@ -59,6 +59,7 @@ class Lookup(Request):
     keys: list[str]
     priced: bool = False
     nbytes: int = 0
+    fresh: bool = False  # ask the directory and S3 about recent misses too
 
 
 @dataclass(frozen=True)

@@ -232,9 +232,9 @@ class LocalServer(AgentState):
     async def _lookup(self, conn: _Conn, req: Lookup) -> dict[str, Any]:
         _check_keys("lookup", req.keys)
         if req.priced:  # with each chunk's expected load seconds
-            srcs, costs = await self.store.lookup_priced(req.keys, req.nbytes)
+            srcs, costs = await self.store.lookup_priced(req.keys, req.nbytes, req.fresh)
             return {"sources": srcs, "costs": costs}
-        return {"sources": await self.store.lookup(req.keys)}
+        return {"sources": await self.store.lookup(req.keys, req.fresh)}
 
     async def _present(self, conn: _Conn, req: Present) -> dict[str, Any]:
         _check_keys("present", req.keys)

@@ -20,6 +20,15 @@ from tiered_cache.tiers.base import Tier, TierError
 
 log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
 
+# How long a key found nowhere (no local tier, the directory and S3) is answered "missing"
+# without asking the directory and S3 again. One request asks about its missing chunk up
+# to four times within a second (the router, the prefill's lookup, its partial probe, the
+# decode); each time a Redis round trip and an S3 HEAD. A local put forgets the miss at
+# once (``TieredStore._publish``); another node's put is seen after at most this long, or
+# at once by a ``fresh`` lookup (a decode waiting for its prefill's chunks).
+ABSENT_S = 2.0
+ABSENT_MAX = 20_000  # keys remembered at most (then forgotten all at once)
+
 
 class ReadsMixin:
     """Owns a ``TieredStore``'s reads: lookups (prefix rule, prices), the read plan of a
@@ -37,6 +46,7 @@ class ReadsMixin:
     mac_key: bytes | None
     _typical_bytes: int
     _missed: dict[str, float]
+    _absent: dict[str, float]  # key -> until when it is known to be held nowhere
     _located: dict[str, list[Location]]  # directory answers a prefetch got for its batch
     aliases: AliasMap
 
@@ -62,10 +72,11 @@ class ReadsMixin:
     async def contains(self, keys: Sequence[str]) -> dict[str, list[bool]]:
         return {s.name: await s.tier.contains_many(keys) for s in self.slots}
 
-    async def lookup(self, keys: Sequence[str]) -> list[str]:
-        """Source label of each leading key that is loadable, nearest first."""
+    async def lookup(self, keys: Sequence[str], fresh: bool = False) -> list[str]:
+        """Source label of each leading key that is loadable, nearest first. ``fresh``:
+        ask the directory and S3 about recent misses too (``ABSENT_S``)."""
         out: list[str] = []
-        for lab in await self._labels(keys):
+        for lab in await self._labels(keys, prefix=True, fresh=fresh):
             if lab is None:
                 break
             out.append(lab)
@@ -96,8 +107,13 @@ class ReadsMixin:
             for k, lab in zip(to_load, labels, strict=True)
         ]
 
-    async def _labels(self, keys: Sequence[str]) -> list[str | None]:
-        """Nearest source of each key (None: found nowhere), prefix rule not applied."""
+    async def _labels(
+        self, keys: Sequence[str], *, prefix: bool = False, fresh: bool = False
+    ) -> list[str | None]:
+        """Nearest source of each key (None: found nowhere). ``prefix``: the caller stops
+        at the first key found nowhere, so keys after a known miss are not asked about.
+        Keys found nowhere recently are not asked about again (``ABSENT_S``) unless
+        ``fresh``."""
         if not keys:
             return []
         local_slots = [s for s in self.slots if s.name != "s3"]
@@ -109,12 +125,25 @@ class ReadsMixin:
                 if p:
                     labels[i] = name
         missing = [i for i, lab in enumerate(labels) if lab is None]
+        now = time.monotonic()
+        if missing and not fresh:
+            absent = self._absent
+            known = [i for i in missing if absent.get(keys[i], 0.0) > now]
+            if known:
+                self.events.absent_skipped(len(known))
+                cut = known[0] if prefix else len(keys)  # nothing after it matters
+                missing = [i for i in missing if i < cut and absent.get(keys[i], 0.0) <= now]
         if missing:
             # Only the chunks before the first one found nowhere matter; ask about every
             # missing one in one batch anyway (one round trip beats a second one).
             remote = await self._remote_sources([keys[i] for i in missing])
+            until = time.monotonic() + ABSENT_S
+            if len(self._absent) > ABSENT_MAX:
+                self._absent.clear()
             for i, src in zip(missing, remote, strict=True):
                 labels[i] = src
+                if src is None:
+                    self._absent[keys[i]] = until
         now = time.monotonic()
         return [
             None if lab in ("peer", "s3") and self._missed.get(key, 0.0) > now else lab
@@ -122,11 +151,11 @@ class ReadsMixin:
         ]  # a remote copy a fetch just could not find is not offered
 
     async def lookup_priced(
-        self, keys: Sequence[str], nbytes: int = 0
+        self, keys: Sequence[str], nbytes: int = 0, fresh: bool = False
     ) -> tuple[list[str], list[float]]:
         """``lookup``, with the expected seconds to load each found chunk from its source
         (``estimates``; ``nbytes``: the chunk size to price chunks of unknown size at)."""
-        sources = await self.lookup(keys)
+        sources = await self.lookup(keys, fresh=fresh)
         costs = [self._expected_s(k, src, nbytes) for k, src in zip(keys, sources, strict=False)]
         return sources, costs
 

@@ -111,6 +111,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         self._located = {}  # directory answers a prefetch got for its batch (see prefetch)
         self._landed = asyncio.Event()  # set (and replaced) whenever a prefetch ends
         self._missed: dict[str, float] = {}  # key -> until when no remote copy is offered
+        self._absent: dict[str, float] = {}  # key -> until when it is known missing (reads)
         self.aliases = AliasMap()  # prefixes of whole chunks (``present``)
         self._peer_breakers: dict[str, Breaker] = {}  # node -> its breaker (remote.py)
         self._peer_probes: set[asyncio.Task[None]] = set()
@@ -167,6 +168,9 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
             t.add_done_callback(lambda _: self.background.give(nbytes))
 
     async def _publish(self, tier: str, keys: Sequence[str]) -> None:
+        # Every local write comes through here: a key just stored is no longer missing.
+        for k in keys:
+            self._absent.pop(k, None)
         if self.directory is not None and keys:
             await self.directory.publish(self.node_id, tier, keys, self.location_ttl_s)
 
@@ -326,8 +330,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
                     break
             await pending()  # without the lock: a victim's copy down, or a wait for one
         self.events.stored(name, n, time.perf_counter() - t0)
-        if self.directory is not None:
-            await self._publish(name, [key])
+        await self._publish(name, [key])
         return True
 
     # ---------------------------------------------------------------- write path
