@@ -57,6 +57,7 @@ _TOUCH_AGE_S = 0.25  # ... or this long after the first unreported one
 _TOUCH_SEND_S = 1.0  # a touch the agent does not take in this long breaks the connection
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
 
+
 def _commit_item(meta: ChunkMeta, slot: int, size: int) -> list[Any]:
     """One ``Commit`` item: the prefix information rides in the chunk's own header."""
     return [meta.key, slot, size, meta.parent or None, meta.position]
@@ -248,17 +249,13 @@ class AgentClient:
     def lookup(self, keys: Sequence[str]) -> list[str]:
         if not keys:
             return []
-        return self._retry(
-            lambda: list(self._call(Lookup(list(keys)))["sources"])
-        )
+        return self._retry(lambda: list(self._call(Lookup(list(keys)))["sources"]))
 
     def ping(self) -> None:
         """One round trip (reconnecting first if the last exchange failed)."""
         self._retry(lambda: self._call(Hello()))
 
-    def lookup_priced(
-        self, keys: Sequence[str], nbytes: int = 0
-    ) -> tuple[list[str], list[float]]:
+    def lookup_priced(self, keys: Sequence[str], nbytes: int = 0) -> tuple[list[str], list[float]]:
         """``lookup`` plus the agent's expected seconds to load each found chunk from its
         source (priced at ``nbytes`` when its size is not known locally)."""
         if not keys:
@@ -268,9 +265,7 @@ class AgentClient:
         )  # fmt: skip
         return list(r["sources"]), [float(c) for c in r["costs"]]
 
-    def present(
-        self, keys: Sequence[str], nbytes: int = 0
-    ) -> list[tuple[str, float, str] | None]:
+    def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float, str] | None]:
         """Each key on its own (no prefix rule): (source, expected load seconds, key to
         load) or None. The key to load is the key itself, or the whole chunk an alias
         names a prefix of (an agent that knows no aliases answers pairs)."""
@@ -319,9 +314,7 @@ class AgentClient:
         """Register a connector's fingerprint (``ModelRegistration`` fields) with the agent,
         which keeps it in the directory while this client stays connected. Returns its hex."""
         doc = dict(model)
-        h = str(
-            self._retry(lambda: self._call(RegisterModel(doc)))["fingerprint"]
-        )
+        h = str(self._retry(lambda: self._call(RegisterModel(doc)))["fingerprint"])
         self._models.append(doc)
         return h
 
@@ -342,14 +335,30 @@ class AgentClient:
         # DRAM hits straight from the pool through the shared index: no round trip. The
         # agent serves the rest (lower tiers, peers, and any read that raced a writer).
         todo = self._load_direct(keys, fingerprint, sink, rep)
-        if not todo:
-            return rep
+        while todo:  # an agent serving inline bytes answers a bounded reply at a time
+            todo = self._load_via_agent(keys, todo, fingerprint, sink, rep)
+        return rep
+
+    def _load_via_agent(
+        self,
+        keys: Sequence[str],
+        todo: list[int],
+        fingerprint: bytes | None,
+        sink: Sink,
+        rep: LoadReport,
+    ) -> list[int]:
+        """One get of ``keys[i] for i in todo``; returns the positions the agent answered
+        "later" (its reply was full: ask again)."""
         want = [keys[i] for i in todo]
         items = self._call(Get(list(want), fingerprint))["items"]
         leased: list[int] = []
+        later: list[int] = []
         try:
             for i, key, item in zip(todo, want, items, strict=True):
                 if item is None:
+                    continue
+                if item.get("later"):
+                    later.append(i)
                     continue
                 rep.sources[i] = str(item.get("src") or "")
                 if "slot" in item:
@@ -361,7 +370,9 @@ class AgentClient:
         finally:
             if leased:  # one-way: a get costs one round trip
                 self._send(Release(leased))
-        return rep
+        if later and len(later) == len(todo):  # the agent served none: never spin on it
+            raise IPCError("the agent answered no chunk of a get")
+        return later
 
     def _load_direct(
         self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink, rep: LoadReport

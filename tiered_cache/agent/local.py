@@ -65,6 +65,12 @@ class _Conn:
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_PREFETCH_WAIT_S = 5.0  # the longest a prefetch request waits for its chunks to land
+# The most chunk bytes one get reply carries inline (chunks not leased in DRAM: no DRAM
+# tier, or no room in it), past its first chunks: the rest are answered "later" and the
+# client asks again, so a long prompt's load on an NVMe- or S3-only node holds a bounded
+# staging buffer, not the whole prompt's KV at once.
+MAX_INLINE_REPLY_BYTES = 64 << 20
+LATER = "later"
 
 
 def peer_uid(sock: Any) -> int | None:
@@ -270,11 +276,19 @@ class LocalServer(AgentState):
         _check_keys("get", req.keys)  # before any lease is taken
         out: list[Any] = []
         sem = asyncio.Semaphore(8)  # chunks of one request load in parallel, bounded
+        inline = 0  # bytes of chunks this reply carries itself (not leased in DRAM)
 
-        async def one(key: str) -> tuple[tuple[int, int] | Hit | None, str]:
+        async def one(key: str) -> tuple[tuple[int, int] | Hit | str | None, str]:
+            nonlocal inline
             served: list[str] = []  # the source that actually served it, for the client
             async with sem:
+                # The reply is the staging buffer of chunks DRAM does not hold (no DRAM
+                # tier, or no room): bounded, the rest asked for again by the client.
+                if inline >= MAX_INLINE_REPLY_BYTES:
+                    return LATER, ""
                 got = await store.lease(key, expect_fingerprint=req.fp, served=served)
+                if isinstance(got, Hit):
+                    inline += memoryview(got.encoded()).nbytes
             return got, (served[0] if served else "")
 
         # Every load runs to its end even when one fails: the leases the others took are
@@ -289,6 +303,8 @@ class LocalServer(AgentState):
         for got, src in done:
             if got is None:
                 out.append(None)
+            elif isinstance(got, str):
+                out.append({"later": True})
             elif isinstance(got, Hit):
                 out.append({"data": got.encoded(), "src": got.source})
             else:

@@ -1,0 +1,256 @@
+"""Every client reads back what it stored, on every mix of our tiers (issue 30).
+
+Mixes: NVMe only, S3 only, NVMe + S3, DRAM only, and all three. Clients: the vLLM
+connector's read (``AgentClient.load_report``, as ``vllm_worker._fetch`` calls it), the
+LMCache MP L2 adapter (what ``lmcache server`` drives) and the in-process LMCache plugin
+(through LMCache's own ``StorageManager``). Each case stores chunks, restarts the agent
+(DRAM lost unless it is the only tier: then a warm restart keeps the pool), loads them back
+and checks the bytes, the tier that served each (the agent's hit counters) and that no
+load failed. Where a mix has S3 below another tier, one chunk is also dropped from that
+tier so S3 serves it. Real agent (embedded), real files, real S3 (moto over HTTP), real
+LMCache.
+
+Before the fix, every load on a mix without DRAM failed: the agent leased reads through
+DRAM slots (``TierError: no DRAM tier``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiered_cache import client as tc_client
+from tiered_cache.client import AgentClient
+
+pytestmark = pytest.mark.lmcache
+
+MIXES = ["nvme", "s3", "nvme+s3", "dram", "dram+nvme+s3"]
+N = 3  # objects per case
+
+
+def _cfg(mix: str, root: Path, s3: Any, bucket: str) -> dict[str, Any]:
+    tiers = set(mix.split("+"))
+    cfg: dict[str, Any] = {
+        "node_id": f"mx-{uuid.uuid4().hex[:8]}",
+        # Alone, DRAM survives the restart (warm: the pool is kept); with tiers below it,
+        # it is dropped so that they serve.
+        "dram": {
+            "enabled": "dram" in tiers,
+            "capacity": "8MiB",
+            "slot_bytes": "512KiB",
+            "keep_on_stop": tiers == {"dram"},
+        },
+        "nvme": {
+            "enabled": "nvme" in tiers,
+            "path": str(root / "nvme"),
+            "capacity": "64MiB",
+            "write_mode": "write_through",
+        },
+        "s3": {
+            "enabled": "s3" in tiers,
+            "url": f"s3://{bucket}/kv",
+            "endpoint_url": s3.endpoint_url,
+            "region": "us-east-1",
+            "write_mode": "write_through",
+        },
+        "agent": {"socket": str(root / "agent.sock")},
+    }
+    return cfg
+
+
+class MixStore:
+    """An embedded agent on one tier mix, restartable, with its hit counters."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.params = {"tiered_cache": cfg, "embedded": "never"}
+        self.closers: list[Callable[[], None]] = []
+        self.client: AgentClient = tc_client.open_store({"tiered_cache": cfg})
+
+    def restart(self) -> None:
+        self.client.close()
+        tc_client.shutdown_embedded()
+        self.client = tc_client.open_store({"tiered_cache": self.cfg})
+
+    def hits(self) -> dict[str, float]:
+        metrics = self.client.admin("stats")["metrics"]
+        out: dict[str, float] = {}
+        for k, v in metrics.items():
+            if k.startswith("tiered_cache_hits_total{"):
+                out[k.split("tier=")[1].rstrip("}")] = float(v)
+        return out
+
+    def drop(self, key: str, tier: str) -> None:
+        self.client.admin("evict", key=key, tiers=[tier])
+
+    def close(self) -> None:
+        for c in self.closers:
+            c()
+        self.client.close()
+        tc_client.shutdown_embedded()
+
+
+@pytest.fixture(params=MIXES)
+def mix(
+    request: pytest.FixtureRequest, tmp_path: Path, s3_server: Any, s3_bucket: str
+) -> Iterator[tuple[str, MixStore]]:
+    st = MixStore(_cfg(request.param, tmp_path, s3_server, s3_bucket))
+    yield request.param, st
+    st.close()
+
+
+def expected(mix: str) -> tuple[list[str], str | None]:
+    """Which tier serves each of the ``N`` objects after the restart, and the tier to drop
+    object 0 from first (so that S3 serves it), if any."""
+    tiers = mix.split("+")
+    nearest = "dram" if tiers == ["dram"] else next(t for t in tiers if t != "dram")
+    if "s3" in tiers and nearest != "s3":
+        return ["s3"] + [nearest] * (N - 1), nearest
+    return [nearest] * N, None
+
+
+def _check_hits(st: MixStore, before: dict[str, float], want: list[str]) -> None:
+    """The agent counted one hit per object on the tier ``want`` names. Hits a client
+    read straight from the DRAM pool reach the agent in a batch a moment later."""
+    exp: dict[str, float] = {}
+    for t in want:
+        exp[t] = exp.get(t, 0.0) + 1
+    deadline = time.monotonic() + 5
+    while True:
+        after = st.hits()
+        got = {t: v - before.get(t, 0.0) for t, v in after.items()}
+        got = {t: v for t, v in got.items() if v}
+        if got == exp or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert got == exp
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+def test_vllm_connector_reads(mix: tuple[str, MixStore]) -> None:
+    """``load_report`` as ``vllm_worker._fetch`` calls it: verified chunks into a sink,
+    the source of each, no failures."""
+    from helpers_agent import FP, meta, payload
+
+    name, st = mix
+    keys = [uuid.uuid4().hex for _ in range(N)]
+    data = [payload(i) for i in range(N)]
+    st.client.put_many([(meta(k), d) for k, d in zip(keys, data, strict=True)], wait=True)
+    st.restart()
+    want, drop_from = expected(name)
+    if drop_from:
+        st.drop(keys[0], drop_from)
+    before = st.hits()
+    got: dict[int, bytes] = {}
+    rep = st.client.load_report(keys, FP.digest, lambda i, m, p: got.__setitem__(i, bytes(p)))
+    assert rep.ok == [True] * N and rep.failures == {}
+    assert rep.sources == want
+    assert [got[i] for i in range(N)] == data
+    _check_hits(st, before, want)
+
+
+# ----------------------------------------------------------------------------- LMCache MP
+
+
+def test_lmcache_mp_adapter_reads(mix: tuple[str, MixStore]) -> None:
+    from test_lmcache_plugin import mp_load, mp_lookup, mp_obj, mp_store, okey
+
+    from connectors.lmcache_mp import TieredCacheL2Adapter, object_key_to_key
+
+    name, st = mix
+    keys = [okey(1000 + i) for i in range(N)]
+    objs = [mp_obj(seed=i) for i in range(N)]
+    a = TieredCacheL2Adapter({**st.params, "durable": True})
+    assert mp_store(a, keys, objs).is_successful()
+    a.close()
+    st.restart()  # and a new server: L1 lost
+    want, drop_from = expected(name)
+    if drop_from:
+        st.drop(object_key_to_key(keys[0]), drop_from)
+    a = TieredCacheL2Adapter({**st.params, "durable": True})
+    st.closers.append(a.close)
+    before = st.hits()
+    assert mp_lookup(a, keys) == list(range(N))
+    bufs = [mp_obj(fill=0.0) for _ in keys]
+    assert mp_load(a, keys, bufs) == list(range(N))
+    for o, b in zip(objs, bufs, strict=True):
+        assert torch.equal(o.tensor, b.tensor)
+    _check_hits(st, before, want)
+    assert a.report_status()["errors"] == 0
+
+
+# ----------------------------------------------------------------------------- plugin
+
+
+def test_lmcache_plugin_reads(mix: tuple[str, MixStore], tmp_path: Path) -> None:
+    from test_lmcache_plugin import Manager, ekey
+
+    from connectors.lmcache_plugin import engine_key_to_key
+
+    name, st = mix
+    keys = [ekey(500 + i) for i in range(N)]
+    m = Manager(st, tmp_path)  # type: ignore[arg-type]  # reads .cfg only
+    try:
+        data = m.put(keys, seed=5)
+    finally:
+        m.close()
+    st.restart()  # and a new engine: its CPU cache empty
+    want, drop_from = expected(name)
+    if drop_from:
+        st.drop(engine_key_to_key(keys[0]), drop_from)
+    m = Manager(st, tmp_path)  # type: ignore[arg-type]
+    try:
+        before = st.hits()
+        assert m.plugin.batched_contains(keys) == N
+        assert [m.get(k) for k in keys] == data
+        _check_hits(st, before, want)
+    finally:
+        m.close()
+
+
+# ----------------------------------------------------------------------------- staging
+
+
+def test_inline_reads_are_bounded_per_reply(
+    tmp_path: Path, s3_server: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without DRAM the chunk bytes ride in the agent's replies: one reply carries at
+    most ``MAX_INLINE_REPLY_BYTES`` past its first chunks, the client asks again for the
+    rest, and every chunk arrives."""
+    from helpers_agent import FP, meta, payload
+    from helpers_agent import N as NBYTES
+
+    from tiered_cache.agent import local
+    from tiered_cache.protocol import Get
+
+    monkeypatch.setattr(local, "MAX_INLINE_REPLY_BYTES", 2 * NBYTES)
+    st = MixStore(_cfg("nvme", tmp_path, s3_server, s3_bucket))
+    try:
+        keys = [uuid.uuid4().hex for _ in range(20)]
+        data = [payload(i) for i in range(20)]
+        st.client.put_many([(meta(k), d) for k, d in zip(keys, data, strict=True)], wait=True)
+        gets: list[int] = []
+        call = st.client._call
+
+        def counting(req: Any) -> dict[str, Any]:
+            reply = call(req)
+            if isinstance(req, Get):
+                gets.append(sum(1 for it in reply["items"] if it and "data" in it))
+            return reply
+
+        monkeypatch.setattr(st.client, "_call", counting)
+        got: dict[int, bytes] = {}
+        rep = st.client.load_report(keys, FP.digest, lambda i, m, p: got.__setitem__(i, bytes(p)))
+        assert rep.ok == [True] * 20 and [got[i] for i in range(20)] == data
+        # Eight load at once, so a reply may pass the bound by up to eight chunks.
+        assert len(gets) > 1 and sum(gets) == 20 and max(gets) <= 2 + 8
+    finally:
+        st.close()
