@@ -16,6 +16,7 @@ DRAM slots (``TierError: no DRAM tier``).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -252,5 +253,89 @@ def test_inline_reads_are_bounded_per_reply(
         assert rep.ok == [True] * 20 and [got[i] for i in range(20)] == data
         # Eight load at once, so a reply may pass the bound by up to eight chunks.
         assert len(gets) > 1 and sum(gets) == 20 and max(gets) <= 2 + 8
+    finally:
+        st.close()
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_load_failures_counted_per_client_and_logged_once(
+    tmp_path: Path,
+    s3_server: Any,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store whose every load fails: the adapter counts each failure by kind and logs
+    one line (with its traceback) a minute, not one per load; the agent counts the failed
+    chunks per client, and the dashboard's figures show a failure rate of 1 for that
+    client only."""
+    from helpers_agent import FP, meta, payload
+    from test_lmcache_plugin import mp_load, mp_obj, mp_store, okey
+
+    from connectors.lmcache_mp import TieredCacheL2Adapter
+    from tiered_cache.dashboard.figures import History, cumulative, summarize
+    from tiered_cache.dashboard.sources import Reading, parse_flat
+    from tiered_cache.ipc import IPCError
+    from tiered_cache.tiers.base import TierError
+
+    st = MixStore(_cfg("nvme", tmp_path, s3_server, s3_bucket))
+    try:
+        a = TieredCacheL2Adapter({**st.params, "durable": True})
+        st.closers.append(a.close)
+        keys = [okey(2000 + i) for i in range(N)]
+        assert mp_store(a, keys, [mp_obj(seed=i) for i in range(N)]).is_successful()
+        vkeys = [uuid.uuid4().hex]
+        st.client.put_many([(meta(vkeys[0]), payload(0))], wait=True)
+        assert st.client.load_report(vkeys, FP.digest, lambda *_: None).ok == [True]
+
+        def reading() -> Reading:
+            rd = Reading(t=time.time())
+            for k, v in st.client.admin("stats")["metrics"].items():
+                name, labels = parse_flat(k)
+                rd.samples.append((name, labels, float(v)))
+            return rd
+
+        hist = History(window_s=3600)
+        hist.add(time.time(), cumulative(reading()))
+
+        async def broken(*args: Any, **kw: Any) -> None:
+            raise TierError("disk on fire")
+
+        agent = tc_client._embedded[st.client.socket_path].agent
+        monkeypatch.setattr(agent.store, "lease", broken)
+        seen: list[logging.LogRecord] = []  # LMCache's logger does not propagate
+        handler = logging.Handler()
+        handler.emit = seen.append  # type: ignore[method-assign]
+        logging.getLogger("tiered_cache.lmcache_mp").addHandler(handler)
+        st.closers.append(
+            lambda: logging.getLogger("tiered_cache.lmcache_mp").removeHandler(handler)
+        )
+        for _ in range(3):
+            assert mp_load(a, keys, [mp_obj(fill=0.0) for _ in keys]) == []
+        status = a.report_status()
+        assert status["errors"] == 3 and status["errors_by_kind"] == {"load:IPCError": 3}
+        lines = [r for r in seen if "tiered-cache L2 load failed" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].exc_info is not None
+        with pytest.raises(IPCError, match="disk on fire"):
+            st.client.load_report(vkeys, FP.digest, lambda *_: None)
+
+        rd = reading()
+        samples = {(n, tuple(sorted(lb.items()))): v for n, lb, v in rd.samples}
+        fail = "tiered_cache_client_load_failures_total"
+        assert samples[(fail, (("client", "lmcache_mp"), ("kind", "TierError")))] == 3 * N
+        assert samples[(fail, (("client", "vllm"), ("kind", "TierError")))] == 1
+        clients = summarize(rd)["clients"]
+        assert clients["lmcache_mp"] == {
+            "loads": 3 * N,
+            "load_failures": 3 * N,
+            "load_failure_rate": 1.0,
+        }
+        point = hist.add(time.time(), cumulative(rd))
+        # Over the window: every lmcache_mp load failed; the vLLM client's one load too,
+        # after one that worked before the window's start.
+        assert point["load_failure_rate"]["lmcache_mp"] == 1.0
+        assert point["load_failure_rate"]["vllm"] == 1.0
+        assert hist.export()["load_failure_rate"]["lmcache_mp"] == [None, 1.0]
     finally:
         st.close()

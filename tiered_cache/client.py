@@ -79,8 +79,10 @@ class AgentClient:
         verify_dram_reads: bool = True,
         timeout: float = 60.0,
         attach_pool: bool = True,
+        client: str = "",
     ):
         self.socket_path = socket_path
+        self.client = client  # the kind of client, for the agent's per-client counters
         self.attach_pool = attach_pool  # False for control-only clients (CLI, router)
         self.verify_dram_reads = verify_dram_reads
         self.timeout = timeout
@@ -114,7 +116,7 @@ class AgentClient:
             raise
         self._sock = sock
         self._broken = False
-        hello = call_sync(sock, encode(Hello()))
+        hello = self._hello(sock)
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
         # The cluster's chunk MAC key when the agent has one: chunks written here carry a
@@ -143,6 +145,17 @@ class AgentClient:
             self._shm, self._buf, self._index = shm, buf, index
         for m in self._models:  # a restarted agent forgot what this client registered
             call_sync(sock, encode(RegisterModel(m)))
+
+    def _hello(self, sock: socket.socket) -> dict[str, Any]:
+        """Hello naming this client's kind; a plain one to an agent that predates it."""
+        try:
+            return call_sync(sock, encode(Hello(self.client)))
+        except ConnectionLost:
+            raise
+        except IPCError as e:
+            if not self.client or "unknown field" not in str(e):
+                raise
+            return call_sync(sock, encode(Hello()))
 
     def _call(self, req: Request) -> dict[str, Any]:
         msg = encode(req)
@@ -190,7 +203,7 @@ class AgentClient:
         sock.settimeout(self.timeout)
         try:
             sock.connect(self.socket_path)
-            call_sync(sock, encode(Hello()))
+            self._hello(sock)
         except (OSError, IPCError):
             sock.close()
             raise
@@ -684,12 +697,18 @@ def connect(
     verify_dram_reads: bool = True,
     attach_pool: bool = True,
     timeout: float = 60.0,
+    client: str = "",
 ) -> AgentClient:
-    """Client for ``cfg``'s node agent; start one in-process if allowed and none runs."""
+    """Client for ``cfg``'s node agent; start one in-process if allowed and none runs.
+    ``client``: its kind (``protocol.CLIENT_KINDS``), for the agent's per-client counters."""
     path = cfg.socket_path
     try:
         return AgentClient(
-            path, verify_dram_reads=verify_dram_reads, attach_pool=attach_pool, timeout=timeout
+            path,
+            verify_dram_reads=verify_dram_reads,
+            attach_pool=attach_pool,
+            timeout=timeout,
+            client=client,
         )
     except (FileNotFoundError, ConnectionRefusedError, IPCError, OSError):
         if embedded == "never":
@@ -700,13 +719,14 @@ def connect(
         if path not in _embedded:
             log.info("no node agent at %s: starting an embedded one", path)
             _embedded[path] = EmbeddedAgent(cfg)
-    return AgentClient(path, verify_dram_reads=verify_dram_reads, timeout=timeout)
+    return AgentClient(path, verify_dram_reads=verify_dram_reads, timeout=timeout, client=client)
 
 
-def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
+def open_store(extra_config: Mapping[str, Any], *, client: str = "vllm") -> AgentClient:
     """ChunkStore for a connector. Keys: ``config_file``, ``tiered_cache`` (inline),
     ``embedded`` (auto|never), ``verify_dram_reads`` (default true), ``agent_timeout_s``
-    (how long a call may wait for the agent's answer; 60)."""
+    (how long a call may wait for the agent's answer; 60). ``client``: the connector's
+    kind (``protocol.CLIENT_KINDS``; the vLLM connector by default)."""
     cfg = config_from_extra(extra_config)
     sock = extra_config.get("agent_socket")
     if sock:
@@ -716,6 +736,7 @@ def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
         embedded=str(extra_config.get("embedded", "auto")),
         verify_dram_reads=bool(extra_config.get("verify_dram_reads", True)),
         timeout=float(extra_config.get("agent_timeout_s", 60.0)),
+        client=client,
     )
 
 

@@ -46,9 +46,15 @@ class Request:
 
 @dataclass(frozen=True)
 class Hello(Request):
-    """The agent's identity and its DRAM pool's layout (for attaching it)."""
+    """The agent's identity and its DRAM pool's layout (for attaching it). ``client``:
+    which kind of client this connection is (``CLIENT_KINDS``), for per-client counters."""
 
     op = "hello"
+    client: str = ""
+
+
+# Kinds of client the agent counts loads and load failures for (any other: "other").
+CLIENT_KINDS = ("vllm", "lmcache_mp", "lmcache_plugin")
 
 
 @dataclass(frozen=True)
