@@ -55,6 +55,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from tiered_cache import client as tc_client
 from tiered_cache.codec import MAX_DIMS, ChunkMeta
+from tiered_cache.config import ConfigError
 from tiered_cache.keys import KEY_BYTES
 from tiered_cache.logthrottle import LogThrottle
 
@@ -231,11 +232,33 @@ class _StoreHandle:
         before = set(tc_client._embedded)
         self.client = client  # our kind, for the agent's per-client load counters
         self.clients: list[AgentClient] = []
-        self.first = self.open(store)
-        self.owns_agent = bool(set(tc_client._embedded) - before)
+        try:
+            self.first = self.open(store)
+        finally:
+            self.owns_agent = bool(set(tc_client._embedded) - before)
+            if not self.clients and self.owns_agent:  # refused: stop the agent we started
+                tc_client.shutdown_embedded()
 
     def open(self, store: Mapping[str, Any]) -> AgentClient:
-        c = tc_client.open_store(store, client=self.client)
+        """A client of the agent. The first one checks at start-up that the agent answers
+        and can serve loads on its tiers: a config it cannot serve is refused here, on one
+        line naming the setting, never found out by a failure on every request."""
+        try:
+            c = tc_client.open_store(store, client=self.client)
+        except OSError as e:
+            if str(store.get("embedded", "auto")) != "never":
+                raise
+            where = store.get("agent_socket") or "agent.socket"
+            raise ConfigError(
+                f"agent_socket {where}: no node agent answers there and embedded is never "
+                f"({type(e).__name__}: {e}); start `tiered-cache agent` or set embedded: auto"
+            ) from None
+        if not self.clients:
+            try:
+                c.check_serves()
+            except ConfigError:
+                c.close()
+                raise
         self.clients.append(c)
         return c
 

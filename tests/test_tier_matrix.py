@@ -260,6 +260,15 @@ def test_inline_reads_are_bounded_per_reply(
 # ----------------------------------------------------------------------------- failures
 
 
+class _Records(logging.Handler):
+    def __init__(self, into: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record)
+
+
 def test_load_failures_counted_per_client_and_logged_once(
     tmp_path: Path,
     s3_server: Any,
@@ -305,8 +314,7 @@ def test_load_failures_counted_per_client_and_logged_once(
         agent = tc_client._embedded[st.client.socket_path].agent
         monkeypatch.setattr(agent.store, "lease", broken)
         seen: list[logging.LogRecord] = []  # LMCache's logger does not propagate
-        handler = logging.Handler()
-        handler.emit = seen.append  # type: ignore[method-assign]
+        handler = _Records(seen)
         logging.getLogger("tiered_cache.lmcache_mp").addHandler(handler)
         st.closers.append(
             lambda: logging.getLogger("tiered_cache.lmcache_mp").removeHandler(handler)
@@ -326,16 +334,59 @@ def test_load_failures_counted_per_client_and_logged_once(
         assert samples[(fail, (("client", "lmcache_mp"), ("kind", "TierError")))] == 3 * N
         assert samples[(fail, (("client", "vllm"), ("kind", "TierError")))] == 1
         clients = summarize(rd)["clients"]
-        assert clients["lmcache_mp"] == {
-            "loads": 3 * N,
-            "load_failures": 3 * N,
-            "load_failure_rate": 1.0,
-        }
+        # Since the agent started: the adapter's start-up probe was one load that worked.
+        assert clients["lmcache_mp"]["loads"] == 3 * N + 1
+        assert clients["lmcache_mp"]["load_failures"] == 3 * N
         point = hist.add(time.time(), cumulative(rd))
         # Over the window: every lmcache_mp load failed; the vLLM client's one load too,
         # after one that worked before the window's start.
         assert point["load_failure_rate"]["lmcache_mp"] == 1.0
         assert point["load_failure_rate"]["vllm"] == 1.0
-        assert hist.export()["load_failure_rate"]["lmcache_mp"] == [None, 1.0]
+        assert hist.export()["load_failure_rate"]["lmcache_mp"] == [0.0, 1.0]  # probe: ok
+    finally:
+        st.close()
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+def test_unservable_store_is_refused_at_start_up(
+    tmp_path: Path, s3_server: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that cannot serve loads (here its read path raises, as every no-DRAM
+    store's did before the fix) refuses the adapter and the plugin when they start, on one
+    line naming the setting; so does a socket no agent answers with embedded: never."""
+    from test_lmcache_plugin import lmc_config, lmc_metadata
+
+    from connectors.lmcache_mp import TieredCacheL2Adapter
+    from connectors.lmcache_plugin import TieredCacheBackend
+    from tiered_cache.config import ConfigError
+    from tiered_cache.tiers.base import TierError
+
+    with pytest.raises(ConfigError) as e:
+        TieredCacheL2Adapter({"agent_socket": str(tmp_path / "none.sock"), "embedded": "never"})
+    msg = str(e.value)
+    assert (
+        msg.startswith(f"agent_socket {tmp_path / 'none.sock'}: no node agent") and "\n" not in msg
+    )
+
+    st = MixStore(_cfg("nvme", tmp_path, s3_server, s3_bucket))
+    try:
+
+        async def broken(*args: Any, **kw: Any) -> None:
+            raise TierError("no DRAM tier: shared-memory transfers are unavailable")
+
+        agent = tc_client._embedded[st.client.socket_path].agent
+        monkeypatch.setattr(agent.store, "lease", broken)
+        with pytest.raises(ConfigError) as e:
+            TieredCacheL2Adapter(st.params)
+        msg = str(e.value)
+        assert msg.startswith("tiers (dram, nvme, s3 .enabled):") and "\n" not in msg
+        assert "(tiers nvme) cannot serve loads: TierError: no DRAM tier" in msg
+        with pytest.raises(ConfigError, match="cannot serve loads"):
+            # (LMCache's StorageManager logs the error and runs without the plugin.)
+            TieredCacheBackend(config=lmc_config(st, tmp_path), metadata=lmc_metadata())  # type: ignore[arg-type]
+        monkeypatch.undo()
+        TieredCacheL2Adapter(st.params).close()  # a store that serves: accepted
     finally:
         st.close()

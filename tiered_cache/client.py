@@ -25,7 +25,7 @@ import numpy as np
 from tiered_cache import codec
 from tiered_cache.api import LoadReport, PayloadLike, Sink, SlotReservation
 from tiered_cache.codec import ChunkMeta
-from tiered_cache.config import CacheConfig, load_config
+from tiered_cache.config import CacheConfig, ConfigError, load_config
 from tiered_cache.ipc import ConnectionLost, IPCError, call_sync, send_only
 from tiered_cache.protocol import (
     Abort,
@@ -56,6 +56,7 @@ _TOUCH_BATCH = 64  # direct DRAM hits reported to the agent per message, at most
 _TOUCH_AGE_S = 0.25  # ... or this long after the first unreported one
 _TOUCH_SEND_S = 1.0  # a touch the agent does not take in this long breaks the connection
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
+_PROBE_KEY = "0" * 32  # no chunk's key in practice (keys are hashes): the start-up probe
 
 
 def _commit_item(meta: ChunkMeta, slot: int, size: int) -> list[Any]:
@@ -330,6 +331,20 @@ class AgentClient:
         h = str(self._retry(lambda: self._call(RegisterModel(doc)))["fingerprint"])
         self._models.append(doc)
         return h
+
+    def check_serves(self) -> None:
+        """Start-up check that this agent can serve loads on its tiers: one load of a key
+        nothing stores must come back a miss (it counts as one). A ``ConfigError`` on one
+        line otherwise, so a store that cannot read is refused when its client starts,
+        not found out by a failure on every load."""
+        try:
+            self.load_report([_PROBE_KEY], None, lambda *_: None)
+        except IPCError as e:
+            raise ConfigError(
+                f"tiers (dram, nvme, s3 .enabled): the node agent at {self.socket_path} "
+                f"(tiers {', '.join(self.tiers) or 'none'}) cannot serve loads: "
+                + " ".join(str(e).split())[:300]
+            ) from None
 
     def load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> list[bool]:
         """Verify each chunk and hand it to ``sink`` straight from shared memory.
