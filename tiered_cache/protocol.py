@@ -4,8 +4,9 @@ Frames are length-prefixed msgpack maps (``tiered_cache.ipc``). A request is
 ``{"op": NAME, "v": VERSION, <its fields>}``; the reply is a map with ``"ok": true`` and
 the operation's result, or ``"ok": false`` with ``"error"`` (and ``"kind"``: ``auth``,
 ``pin_refused``, ``protocol``). Chunk bytes never travel in these frames locally: they go
-through the shared-memory DRAM pool, and frames carry slot numbers (``put`` is the
-exception, for chunks that fit nowhere in DRAM).
+through the shared-memory DRAM pool, and frames carry slot numbers (the exceptions, for
+chunks that fit nowhere in DRAM or an agent with no DRAM tier: ``put``, and ``get`` replies,
+bounded per reply, the rest answered ``later``).
 
 ``decode`` checks what the agent receives (an unknown operation, a field that is missing,
 extra or of the wrong type is a ``ProtocolError`` naming it); clients build requests with
