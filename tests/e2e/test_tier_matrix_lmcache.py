@@ -18,6 +18,7 @@ Before the fix, every mix without DRAM failed step 3: each L2 load raised ``no D
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ class Agents:
             self.current.stop()
         tiers = set(mix.split("+"))
         name = "mx-" + mix.replace("+", "-")
-        bucket = f"tc-e2e-{name}"
+        bucket = f"tc-e2e-{name}-{uuid.uuid4().hex[:6]}"
         if "s3" in tiers:
             self.s3.client().create_bucket(Bucket=bucket)
         cfg = {
