@@ -165,6 +165,13 @@ def test_lmcache_server_reads_every_tier_mix(
         t = time.monotonic()
         second = parse(vllm.completion(prompt, max_tokens=GEN_TOKENS))
         warm_s = time.monotonic() - t
+        # Hits read straight from the DRAM pool reach the agent in a batch a moment later.
+        hit_key = f"tiered_cache_hits_total{{tier={serves}}}"
+        _wait(
+            f"{CHUNKS} hits on {serves}",
+            lambda: agent.stats().get(hit_key, 0.0) - before.get(hit_key, 0.0) >= CHUNKS,
+            timeout=10,
+        )
         after = agent.stats()
         served = after.get(f"tiered_cache_hits_total{{tier={serves}}}", 0.0) - before.get(
             f"tiered_cache_hits_total{{tier={serves}}}", 0.0
