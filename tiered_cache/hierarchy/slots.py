@@ -80,7 +80,10 @@ class SlotsMixin:
         return self.slots[0], self._pool
 
     async def reserve_dram(self, nbytes: int) -> int | None:
-        """A free DRAM slot for a client to fill, evicting if needed; None when refused."""
+        """A free DRAM slot for a client to fill, evicting if needed; None when refused
+        (and always without a DRAM pool: the client then sends the chunk inline)."""
+        if self._pool is None:
+            return None
         top, tier = self._dram()
         if not tier.fits(nbytes):
             return None
