@@ -390,3 +390,31 @@ def test_unservable_store_is_refused_at_start_up(
         TieredCacheL2Adapter(st.params).close()  # a store that serves: accepted
     finally:
         st.close()
+
+
+def test_first_save_after_the_agent_was_replaced(
+    tmp_path: Path, s3_server: Any, s3_bucket: str
+) -> None:
+    """A client that mapped one agent's pool and has not saved yet, when another agent
+    takes over the socket: its first save lands in the new agent (it used to write into
+    the old pool's mapping while the new agent reserved slots in its own: 'slot 0 holds no
+    chunk header'). Found by the LMCache e2e when switching tier mixes."""
+    from helpers_agent import FP, meta, payload
+
+    cfg = _cfg("dram", tmp_path, s3_server, s3_bucket)
+    cfg["dram"]["keep_on_stop"] = False
+    st = MixStore(cfg)
+    late = AgentClient(st.client.socket_path)  # maps the pool, no save connection yet
+    try:
+        st.client.close()
+        tc_client.shutdown_embedded()
+        st.cfg = {**cfg, "node_id": cfg["node_id"] + "-b"}  # another agent, another pool
+        st.client = tc_client.open_store({"tiered_cache": st.cfg})
+        key = uuid.uuid4().hex
+        late.put_many([(meta(key), payload(7))], wait=True)
+        got: dict[int, bytes] = {}
+        rep = st.client.load_report([key], FP.digest, lambda i, m, p: got.__setitem__(i, bytes(p)))
+        assert rep.ok == [True] and got[0] == payload(7)
+    finally:
+        late.close()
+        st.close()

@@ -192,7 +192,19 @@ class AgentClient:
                 raise
 
     def _save_ready(self) -> None:
-        """Reconnect if the save connection broke, before anything uses its stash."""
+        """Reconnect if the save connection broke, before anything uses its stash. Before
+        the first save connection is made, make sure the agent that gave us our pool still
+        answers: one that restarted since (or was replaced behind the socket) would hand
+        the new connection slots in its own pool while we wrote into the old mapping."""
+        if self._save_sock is None and self._buf is not None and not self._save_broken:
+            with self._lock:
+                if self._save_sock is None and not self._broken:
+                    try:
+                        self._hello(self._sock)
+                    except ConnectionLost:
+                        self._break_locked()
+                if self._broken:
+                    self._reconnect_locked()
         if self._save_broken:
             with self._lock:
                 if self._save_broken:
