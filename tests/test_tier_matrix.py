@@ -253,6 +253,9 @@ def test_inline_reads_are_bounded_per_reply(
         assert rep.ok == [True] * 20 and [got[i] for i in range(20)] == data
         # Eight load at once, so a reply may pass the bound by up to eight chunks.
         assert len(gets) > 1 and sum(gets) == 20 and max(gets) <= 2 + 8
+        # Each chunk counted once in the client's loads, not once per time it was asked.
+        metrics = st.client.admin("stats")["metrics"]
+        assert metrics["tiered_cache_client_loads_total{client=vllm}"] == 20
     finally:
         st.close()
 

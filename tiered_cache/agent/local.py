@@ -326,9 +326,11 @@ class LocalServer(AgentState):
         # Every load runs to its end even when one fails: the leases the others took are
         # then returned, not lost with the failed request.
         counters = self._load_counters
-        counters.loads.labels(conn.client).inc(len(req.keys))
         results = await asyncio.gather(*(one(k) for k in req.keys), return_exceptions=True)
         done = [r for r in results if not isinstance(r, BaseException)]
+        # Chunks answered "later" are counted when the client asks for them again.
+        later = sum(1 for got, _ in done if isinstance(got, str))
+        counters.loads.labels(conn.client).inc(len(req.keys) - later)
         if len(done) < len(results):
             for got, _ in done:
                 if isinstance(got, tuple):
@@ -336,7 +338,7 @@ class LocalServer(AgentState):
             err = next(r for r in results if isinstance(r, BaseException))
             # The whole request fails: each of its chunks is a failed load. Logged by
             # ``_handle``, once per kind a minute.
-            counters.failures.labels(conn.client, type(err).__name__).inc(len(req.keys))
+            counters.failures.labels(conn.client, type(err).__name__).inc(len(req.keys) - later)
             raise err
         for got, src in done:
             if got is None:
