@@ -11,7 +11,8 @@ connector is configured). Cases:
   agent (another node's agent over TCP), via S3 (a node with only S3 in common);
 - vLLM's ExampleConnector doing the same handoff (files in page cache);
 - LMCache MP (L1 hit over shared memory; ``fs`` L2 hit after a server restart; our L2
-  adapter hit after a server restart) when lmcache is installed.
+  adapter hit after a server restart, on node-a's agent and on an NVMe-only agent with no
+  DRAM tier) when lmcache is installed.
 
 At most three vLLM servers run at once (all seven at once left ~1.6 GB of a 24 GiB machine
 free and the run never ended): each starts when its phase comes and stops when its phase
@@ -325,6 +326,61 @@ def measure_lmcache(
             x.stop()
 
 
+def measure_lmcache_nvme_only(
+    work: Path,
+    nv: Agent,
+    srv: Callable[..., VllmServer],
+    up: Callable[..., None],
+    prompt: list[int],
+    runs: int,
+    warm: list[int],
+    cases: dict[str, Any],
+) -> None:
+    """LMCache MP with our L2 adapter on an agent with NVMe and no DRAM tier (LMCache's
+    ``local_cpu: False`` + ``local_disk``, issue 30): store, then L2 hits after a server
+    restart, served from NVMe through the agent's inline replies."""
+    from tiered_cache.tools.lmcache_launch import LMCacheServer, tiered_l2_adapter
+
+    store = {"embedded": "never", "agent_socket": nv.sock}
+    server = LMCacheServer(
+        work / "lmcache-server-ours-nvme.log",
+        l2_adapters=[tiered_l2_adapter(store)],
+        l1_size_gb=1.0,
+        extra_args=["--shm-name", our_shm(f"tcb_lm_nv_{uuid.uuid4().hex[:8]}")],
+        env=dict(THREADS_ENV),
+    )
+    _LMCACHE_SERVERS.append(server)
+    say("LMCache MP with our L2 adapter on an NVMe-only agent: store, then L2 hits")
+    server.start().wait_ready(180)
+    v = srv("lmcache-ours-nvme", server.kv_transfer_config(heartbeat_interval_s=1))
+    up(v)
+    try:
+        cases["lmcache_ours_nvme_only_store"] = measure(v, prompt, 1)
+        time.sleep(1.0)  # the store is asynchronous on the server side
+
+        def restarted() -> None:
+            with uninterrupted():
+                server.stop()
+            server.start().wait_ready(180)
+            time.sleep(2.5)  # vLLM re-registers on its next heartbeat (1 s here); untimed
+            v.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
+
+        hits0 = nv.stats().get("tiered_cache_hits_total{tier=nvme}", 0.0)
+        case = measure(v, prompt, runs, before=restarted)
+        case["nvme_hits"] = nv.stats().get("tiered_cache_hits_total{tier=nvme}", 0.0) - hits0
+        case["load_failures"] = sum(
+            x for k, x in nv.stats().items()
+            if k.startswith("tiered_cache_client_load_failures_total")
+        )  # fmt: skip
+        if not all(case["cached_tokens"]):
+            case["warning"] = f"not every run reported cached tokens: {case['cached_tokens']}"
+        cases["lmcache_mp_l2_ours_nvme_only_hit"] = case
+    finally:
+        with uninterrupted():
+            v.stop()
+            server.stop()
+
+
 def main() -> None:
     # SIGTERM (e.g. from `timeout`) runs the cleanup in `finally` too: without it the
     # vLLM servers, agents and namespaces this bench started outlive it.
@@ -591,13 +647,23 @@ def run(
 
     lm = start_lmcache(work, store_a)
     if lm is None:
-        for name in ("lmcache_mp_l1_hit", "lmcache_mp_l2_fs_hit", "lmcache_mp_l2_ours_hit"):
+        for name in (
+            "lmcache_mp_l1_hit",
+            "lmcache_mp_l2_fs_hit",
+            "lmcache_mp_l2_ours_hit",
+            "lmcache_mp_l2_ours_nvme_only_hit",
+        ):
             cases[name] = {"skipped": "lmcache is not installed in this environment"}
     else:
         lm["fs_vllm"] = srv("lmcache-fs", lm["fs"].kv_transfer_config(heartbeat_interval_s=1))
         lm["ours_vllm"] = srv("lmcache-ours", lm["ours"].kv_transfer_config(heartbeat_interval_s=1))
         up(lm["fs_vllm"], lm["ours_vllm"])
         measure_lmcache(lm, prompt, runs, warm, cases)  # stops its servers when done
+        nv_cfg = agent_cfg("node-nv", nvme=True, s3=False)
+        nv_cfg["dram"] = {"enabled": False}
+        nv = Agent("node-nv", work, nv_cfg)
+        agents.append(nv.start(fresh_dram=False))
+        measure_lmcache_nvme_only(work, nv, srv, up, prompt, runs, warm, cases)
 
     # Both before the NVMe cases, while nothing is timed; each stops after its cases.
     up(dec_b, ex)
@@ -696,6 +762,13 @@ def run(
         "dram_hit_vs_lmcache_l1": ratio(t("dram_hit"), t("lmcache_mp_l1_hit")),
         "lmcache_ours_l2_vs_lmcache_fs_l2": ratio(
             t("lmcache_mp_l2_ours_hit"), t("lmcache_mp_l2_fs_hit")
+        ),
+        # issue 30: our tiers without DRAM (NVMe only) behind LMCache MP
+        "lmcache_ours_nvme_only_l2_vs_lmcache_fs_l2": ratio(
+            t("lmcache_mp_l2_ours_nvme_only_hit"), t("lmcache_mp_l2_fs_hit")
+        ),
+        "lmcache_ours_nvme_only_l2_vs_recompute": ratio(
+            t("lmcache_mp_l2_ours_nvme_only_hit"), r
         ),
     }
     # What each hit costs above the floor: the handoff itself (lookup, load, copy-in).

@@ -407,6 +407,87 @@ def bench_dram(s: Stream, lmc: LMCache, tmp: Path) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def nvme_only_agent(tmp: Path) -> Iterator[str]:
+    """A node agent with an NVMe tier and no DRAM tier (LMCache's ``local_cpu: False`` with
+    ``local_disk``), in its own process; yields its socket path."""
+    import yaml
+
+    from tiered_cache.agent import spawn_agent
+    from tiered_cache.config import load_config
+
+    cfg = load_config(
+        {
+            "node_id": f"bench-nv-{os.getpid()}",
+            "dram": {"enabled": False},
+            "nvme": {"enabled": True, "path": str(tmp / "ours-l2"), "capacity": "64GiB"},
+            "agent": {"socket": str(tmp / "agent-nv.sock")},
+        }
+    )
+    cfg_path = tmp / "agent-nv.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    proc = spawn_agent(cfg_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield cfg.socket_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def bench_nvme_l2(s: Stream, lmc: LMCache, tmp: Path) -> dict[str, Any]:
+    """The NVMe-only L2 (issue 30): our client path through an agent with no DRAM tier
+    (a put sends the chunk inline, the agent writes the file; a get reads the file and
+    sends it back inline, the client verifies and copies it out), against LMCache's
+    ``LocalDiskBackend``, buffered on both sides (the files were just written: reads hit
+    the page cache on both)."""
+    from tiered_cache.client import AgentClient
+
+    n, size = s.n, s.size
+    dst = np.empty(size, dtype=np.uint8)
+    disk = lmc.disk(tmp / "lmcache-l2", s.mib, o_direct=False)
+    theirs: dict[int, tuple[Any, Any]] = {}
+    try:
+        with nvme_only_agent(tmp) as sock:
+            client = AgentClient(sock)
+            try:
+
+                def ours_put(i: int) -> None:
+                    client.put_many([(chunk_meta(s.key(i), size), s.payload(i))], wait=True)
+
+                def lmc_put(i: int) -> None:
+                    obj = lmc.allocate(s.mib)
+                    np.copyto(np.frombuffer(obj.byte_array, dtype=np.uint8), s.payload(i))
+                    theirs[i] = (lmc.key(s, i), obj)
+                    _wait_put(disk, *theirs[i])
+
+                def sink(_: int, __: codec.ChunkMeta, view: memoryview) -> None:
+                    np.copyto(dst, np.frombuffer(view, dtype=np.uint8))
+
+                def ours_get(i: int) -> None:
+                    assert client.load_many([s.key(i)], FP.digest, sink) == [True]
+
+                def lmc_get(i: int) -> None:
+                    obj = disk.get_blocking(theirs[i][0])
+                    assert obj is not None
+                    np.copyto(dst, np.frombuffer(obj.byte_array, dtype=np.uint8))
+                    obj.ref_count_down()
+
+                put = time_interleaved({"ours": ours_put, "lmcache": lmc_put}, n, WARM)
+                get = time_interleaved({"ours": ours_get, "lmcache": lmc_get}, n, WARM)
+                assert bytes(dst[:64]) == bytes(s.payload(n - 1)[:64])
+            finally:
+                client.close()
+    finally:
+        for _, obj in theirs.values():
+            obj.ref_count_down()
+        disk.close()
+    return {"put": _summ(put, size), "get": _summ(get, size)}
+
+
 # ---------------------------------------------------------------- NVMe
 
 
@@ -815,6 +896,9 @@ RATIOS: dict[str, tuple[str, str | None, str, str] | tuple[str, str | None, str,
     "lmcache_disk_write_vs_raw_odirect": ("nvme", "o_direct", "put", "lmcache", "raw"),
     "nvme_read_vs_raw_odirect": ("nvme", "o_direct", "get", "ours", "raw"),
     "lmcache_disk_read_vs_raw_odirect": ("nvme", "o_direct", "get", "lmcache", "raw"),
+    # The NVMe-only L2 (no DRAM tier): the client path against LMCache's disk backend.
+    "nvme_only_l2_put_vs_lmcache_disk": ("nvme_l2", None, "put", "ours"),
+    "nvme_only_l2_get_vs_lmcache_disk": ("nvme_l2", None, "get", "ours"),
     "s3_put_vs_lmcache_s3": ("s3", None, "put", "ours"),
     "s3_get_vs_lmcache_s3": ("s3", None, "get", "ours"),
     "s3_put_single_request_vs_lmcache_s3": ("s3", None, "put", "ours_single_request"),
@@ -949,6 +1033,7 @@ def main() -> None:
         "s3_host_resolution": s3_how,
         "dram": {},
         "nvme": {},
+        "nvme_l2": {},
         "s3": {},
     }
     errors: list[str] = []
@@ -977,6 +1062,11 @@ def main() -> None:
             d = base / f"nvme{mib}"
             d.mkdir()
             section("nvme", mib, bench_nvme, Stream(mib, iters["nvme"]), lmc, d, iters["batch"])
+            shutil.rmtree(d, ignore_errors=True)
+            say(f"{mib} MiB: NVMe-only L2 (no DRAM tier)")
+            d = base / f"nvme-l2-{mib}"
+            d.mkdir()
+            section("nvme_l2", mib, bench_nvme_l2, Stream(mib, iters["nvme"]), lmc, d)
             shutil.rmtree(d, ignore_errors=True)
         if a.no_s3:
             res["s3"]["skipped"] = "--no-s3"

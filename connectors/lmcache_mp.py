@@ -34,8 +34,10 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import struct
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,7 +55,9 @@ from lmcache.v1.platform import create_event_notifier
 
 from tiered_cache import client as tc_client
 from tiered_cache.codec import MAX_DIMS, ChunkMeta
+from tiered_cache.config import ConfigError
 from tiered_cache.keys import KEY_BYTES
+from tiered_cache.logthrottle import LogThrottle
 
 if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj
@@ -187,19 +191,74 @@ def split_store_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return {k: params[k] for k in STORE_KEYS if k in params}
 
 
+class Failures:
+    """Failed operations of a connector, counted by (operation, error) and logged once per
+    kind a minute with its traceback: a store that fails every load writes one line a
+    minute, not one per load, and ``report_status`` shows the counts."""
+
+    def __init__(self, logger: logging.Logger, name: str = "tiered-cache L2") -> None:
+        self.name = name  # what the lines call the connector
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self._log = LogThrottle(logger)
+
+    def record(self, what: str, e: BaseException) -> None:
+        """Count and (rate-limited) log ``e``, the exception being handled."""
+        kind = f"{what}:{type(e).__name__}"
+        with self._lock:
+            self.counts[kind] += 1
+            n = self.counts[kind]
+        self._log.log(
+            kind, logging.ERROR, "%s %s failed (%d so far): %s: %s",
+            self.name, what, n, type(e).__name__, str(e)[:300], exc_info=True,
+        )  # fmt: skip
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.counts.values())
+
+    def by_kind(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
 class _StoreHandle:
     """Clients of one node agent; starts an embedded agent when none runs (and the
     config allows it) and stops it again on close if this handle started it."""
 
-    def __init__(self, store: Mapping[str, Any]) -> None:
+    def __init__(self, store: Mapping[str, Any], client: str) -> None:
         # open_store starts an embedded agent silently; tell ours from one already running.
         before = set(tc_client._embedded)
+        self.client = client  # our kind, for the agent's per-client load counters
         self.clients: list[AgentClient] = []
-        self.first = self.open(store)
-        self.owns_agent = bool(set(tc_client._embedded) - before)
+        try:
+            self.first = self.open(store)
+        finally:
+            self.owns_agent = bool(set(tc_client._embedded) - before)
+            if not self.clients and self.owns_agent:  # refused: stop the agent we started
+                tc_client.shutdown_embedded()
 
     def open(self, store: Mapping[str, Any]) -> AgentClient:
-        c = tc_client.open_store(store)
+        """A client of the agent. The first one checks at start-up that the agent answers
+        and can serve loads on its tiers: a config it cannot serve is refused here, on one
+        line naming the setting, never found out by a failure on every request."""
+        try:
+            c = tc_client.open_store(store, client=self.client)
+        except OSError as e:
+            if str(store.get("embedded", "auto")) != "never":
+                raise
+            where = store.get("agent_socket") or "agent.socket"
+            raise ConfigError(
+                f"agent_socket {where}: no node agent answers there and embedded is never "
+                f"({type(e).__name__}: {e}); start `tiered-cache agent` or set embedded: auto"
+            ) from None
+        if not self.clients:
+            try:
+                c.check_serves()
+            except ConfigError:
+                c.close()
+                raise
         self.clients.append(c)
         return c
 
@@ -276,7 +335,7 @@ class TieredCacheL2Adapter(L2AdapterInterface):
             config = TieredCacheL2AdapterConfig.from_dict(dict(config or {}))
         self.config = config
         self._durable = config.durable
-        self._handle = _StoreHandle(config.store)
+        self._handle = _StoreHandle(config.store, "lmcache_mp")
         self._store_client = self._handle.first
         self._lookup_client = self._handle.open(config.store)
         self._load_client = self._handle.open(config.store)
@@ -292,7 +351,7 @@ class TieredCacheL2Adapter(L2AdapterInterface):
         self._done_store: dict[L2TaskId, L2StoreResult] = {}
         self._done_lookup: dict[L2TaskId, Bitmap] = {}
         self._done_load: dict[L2TaskId, Bitmap] = {}
-        self._errors = 0
+        self._failures = Failures(log)
         self._closed = False
         self._seen_layouts: set[ObjLayout] = set()
         log.info(
@@ -321,10 +380,8 @@ class TieredCacheL2Adapter(L2AdapterInterface):
         self._pools[pool].submit(fn, task_id)
         return task_id
 
-    def _failed(self, what: str) -> None:
-        with self._lock:
-            self._errors += 1
-        log.exception("tiered-cache L2 %s failed", what)
+    def _failed(self, what: str, e: BaseException) -> None:
+        self._failures.record(what, e)
 
     # -- store
 
@@ -345,9 +402,9 @@ class TieredCacheL2Adapter(L2AdapterInterface):
                 items.append((meta, obj.byte_array))
                 sizes.append(lay.nbytes)
             self._store_client.put_many(items, wait=self._durable)
-        except Exception:
+        except Exception as e:
             ok = False
-            self._failed("store")
+            self._failed("store", e)
         if ok and keys:
             self._notify_keys_stored(list(keys), sizes)
         with self._lock:
@@ -380,8 +437,8 @@ class TieredCacheL2Adapter(L2AdapterInterface):
                 found = self._lookup_client.lookup([object_key_to_key(keys[i]) for i in idx])
                 for i in idx[: len(found)]:
                     bitmap.set(i)
-        except Exception:
-            self._failed("lookup")
+        except Exception as e:
+            self._failed("lookup", e)
         with self._lock:
             self._done_lookup[task_id] = bitmap
         self._lookup_efd.notify()
@@ -407,8 +464,8 @@ class TieredCacheL2Adapter(L2AdapterInterface):
             for fp, idx in by_fp.items():
                 for i in self._load_group(keys, objects, idx, fp):
                     bitmap.set(i)
-        except Exception:
-            self._failed("load")
+        except Exception as e:
+            self._failed("load", e)
         loaded = [keys[i] for i in bitmap.get_indices_list()]
         if loaded:
             self._notify_keys_accessed(loaded)
@@ -437,8 +494,6 @@ class TieredCacheL2Adapter(L2AdapterInterface):
     # -- status, cleanup
 
     def report_status(self) -> dict[str, Any]:
-        with self._lock:
-            errors = self._errors
         return {
             "is_healthy": not self._closed,
             "type": "TieredCacheL2Adapter",
@@ -446,7 +501,8 @@ class TieredCacheL2Adapter(L2AdapterInterface):
             "node_id": self._store_client.node_id,
             "tiers": list(self._store_client.tiers),
             "durable": self._durable,
-            "errors": errors,
+            "errors": self._failures.total,
+            "errors_by_kind": self._failures.by_kind(),
         }
 
     def close(self) -> None:

@@ -41,6 +41,7 @@ from lmcache.v1.storage_backend.abstract_backend import (
 
 from connectors.lmcache_mp import (
     STORE_KEYS,
+    Failures,
     _digest,
     _StoreHandle,
     chunk_meta,
@@ -132,7 +133,8 @@ class TieredCacheBackend(StoragePluginInterface):
         self._durable = str(opts.get("durable", "false")).lower() in _TRUE
         self._admin_token = opts.get("admin_token")
         self._fp = metadata_fingerprint(metadata)
-        self._handle = _StoreHandle(store)
+        self._handle = _StoreHandle(store, "lmcache_plugin")
+        self._failures = Failures(log, "tiered-cache storage plugin")
         self._writer = self._handle.first
         self._reader = self._handle.open(store)
         self._read_lock = threading.Lock()  # remove's ls + evict must not interleave
@@ -193,8 +195,8 @@ class TieredCacheBackend(StoragePluginInterface):
                 items.append((chunk_meta(engine_key_to_key(key), self._fp, lay), obj.byte_array))
                 stored.append(key)
             self._writer.put_many(items, wait=self._durable)
-        except Exception:
-            log.exception("tiered-cache put of %d chunks failed", len(keys))
+        except Exception as e:
+            self._failures.record("store", e)
             stored = []
         finally:
             for obj in objs:
@@ -213,8 +215,12 @@ class TieredCacheBackend(StoragePluginInterface):
 
     def _present(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many leading ``keys`` our store can serve."""
-        with self._read_lock:
-            return len(self._reader.lookup([engine_key_to_key(k) for k in keys]))
+        try:
+            with self._read_lock:
+                return len(self._reader.lookup([engine_key_to_key(k) for k in keys]))
+        except Exception as e:  # a miss for LMCache (it recomputes), counted and logged
+            self._failures.record("lookup", e)
+            return 0
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         return self.batched_contains([key], pin) == 1
@@ -276,8 +282,12 @@ class TieredCacheBackend(StoragePluginInterface):
             if not copy_into(obj.byte_array, payload):
                 bad.add(i)
 
-        with self._read_lock:
-            ok = self._reader.load_many([engine_key_to_key(k) for k in keys], self._fp, sink)
+        try:
+            with self._read_lock:
+                ok = self._reader.load_many([engine_key_to_key(k) for k in keys], self._fp, sink)
+        except Exception as e:  # misses for LMCache (it recomputes), counted and logged
+            self._failures.record("load", e)
+            ok = [False] * len(keys)
         for i, good in enumerate(ok):
             obj = out[i]
             if obj is not None and (not good or i in bad):
@@ -317,6 +327,10 @@ class TieredCacheBackend(StoragePluginInterface):
                 return False
             self._reader.admin("evict", key=k, token=self._admin_token)
         return True
+
+    def failures(self) -> dict[str, int]:
+        """Failed operations so far, by ``operation:error``."""
+        return self._failures.by_kind()
 
     def touch_cache(self) -> None:
         pass  # recency lives in our tiers' policies, updated on every read

@@ -25,7 +25,7 @@ import numpy as np
 from tiered_cache import codec
 from tiered_cache.api import LoadReport, PayloadLike, Sink, SlotReservation
 from tiered_cache.codec import ChunkMeta
-from tiered_cache.config import CacheConfig, load_config
+from tiered_cache.config import CacheConfig, ConfigError, load_config
 from tiered_cache.ipc import ConnectionLost, IPCError, call_sync, send_only
 from tiered_cache.protocol import (
     Abort,
@@ -56,6 +56,8 @@ _TOUCH_BATCH = 64  # direct DRAM hits reported to the agent per message, at most
 _TOUCH_AGE_S = 0.25  # ... or this long after the first unreported one
 _TOUCH_SEND_S = 1.0  # a touch the agent does not take in this long breaks the connection
 _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tc-hash")
+_PROBE_KEY = "0" * 32  # no chunk's key in practice (keys are hashes): the start-up probe
+
 
 def _commit_item(meta: ChunkMeta, slot: int, size: int) -> list[Any]:
     """One ``Commit`` item: the prefix information rides in the chunk's own header."""
@@ -78,8 +80,10 @@ class AgentClient:
         verify_dram_reads: bool = True,
         timeout: float = 60.0,
         attach_pool: bool = True,
+        client: str = "",
     ):
         self.socket_path = socket_path
+        self.client = client  # the kind of client, for the agent's per-client counters
         self.attach_pool = attach_pool  # False for control-only clients (CLI, router)
         self.verify_dram_reads = verify_dram_reads
         self.timeout = timeout
@@ -118,7 +122,7 @@ class AgentClient:
             raise
         self._sock = sock
         self._broken = False
-        hello = call_sync(sock, encode(Hello()))
+        hello = self._hello(sock)
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
         # The cluster's chunk MAC key when the agent has one: chunks written here carry a
@@ -148,6 +152,17 @@ class AgentClient:
             self._shm, self._buf, self._index = shm, buf, index
         for m in self._models:  # a restarted agent forgot what this client registered
             call_sync(sock, encode(RegisterModel(m)))
+
+    def _hello(self, sock: socket.socket) -> dict[str, Any]:
+        """Hello naming this client's kind; a plain one to an agent that predates it."""
+        try:
+            return call_sync(sock, encode(Hello(self.client)))
+        except ConnectionLost:
+            raise
+        except IPCError as e:
+            if not self.client or "unknown field" not in str(e):
+                raise
+            return call_sync(sock, encode(Hello()))
 
     def _call(self, req: Request) -> dict[str, Any]:
         msg = encode(req)
@@ -183,7 +198,19 @@ class AgentClient:
                 raise
 
     def _save_ready(self) -> None:
-        """Reconnect if the save connection broke, before anything uses its stash."""
+        """Reconnect if the save connection broke, before anything uses its stash. Before
+        the first save connection is made, make sure the agent that gave us our pool still
+        answers: one that restarted since (or was replaced behind the socket) would hand
+        the new connection slots in its own pool while we wrote into the old mapping."""
+        if self._save_sock is None and self._buf is not None and not self._save_broken:
+            with self._lock:
+                if self._save_sock is None and not self._broken:
+                    try:
+                        self._hello(self._sock)
+                    except ConnectionLost:
+                        self._break_locked()
+                if self._broken:
+                    self._reconnect_locked()
         if self._save_broken:
             with self._lock:
                 if self._save_broken:
@@ -195,7 +222,7 @@ class AgentClient:
         sock.settimeout(self.timeout)
         try:
             sock.connect(self.socket_path)
-            call_sync(sock, encode(Hello()))
+            self._hello(sock)
         except (OSError, IPCError):
             sock.close()
             raise
@@ -254,9 +281,7 @@ class AgentClient:
     def lookup(self, keys: Sequence[str]) -> list[str]:
         if not keys:
             return []
-        return self._retry(
-            lambda: list(self._call(Lookup(list(keys)))["sources"])
-        )
+        return self._retry(lambda: list(self._call(Lookup(list(keys)))["sources"]))
 
     def ping(self) -> None:
         """One round trip (reconnecting first if the last exchange failed)."""
@@ -274,9 +299,7 @@ class AgentClient:
         r = self._retry(lambda: self._call(req))
         return list(r["sources"]), [float(c) for c in r["costs"]]
 
-    def present(
-        self, keys: Sequence[str], nbytes: int = 0
-    ) -> list[tuple[str, float, str] | None]:
+    def present(self, keys: Sequence[str], nbytes: int = 0) -> list[tuple[str, float, str] | None]:
         """Each key on its own (no prefix rule): (source, expected load seconds, key to
         load) or None. The key to load is the key itself, or the whole chunk an alias
         names a prefix of (an agent that knows no aliases answers pairs)."""
@@ -325,11 +348,23 @@ class AgentClient:
         """Register a connector's fingerprint (``ModelRegistration`` fields) with the agent,
         which keeps it in the directory while this client stays connected. Returns its hex."""
         doc = dict(model)
-        h = str(
-            self._retry(lambda: self._call(RegisterModel(doc)))["fingerprint"]
-        )
+        h = str(self._retry(lambda: self._call(RegisterModel(doc)))["fingerprint"])
         self._models.append(doc)
         return h
+
+    def check_serves(self) -> None:
+        """Start-up check that this agent can serve loads on its tiers: one load of a key
+        nothing stores must come back a miss (it counts as one). A ``ConfigError`` on one
+        line otherwise, so a store that cannot read is refused when its client starts,
+        not found out by a failure on every load."""
+        try:
+            self.load_report([_PROBE_KEY], None, lambda *_: None)
+        except IPCError as e:
+            raise ConfigError(
+                f"tiers (dram, nvme, s3 .enabled): the node agent at {self.socket_path} "
+                f"(tiers {', '.join(self.tiers) or 'none'}) cannot serve loads: "
+                + " ".join(str(e).split())[:300]
+            ) from None
 
     def load_many(self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink) -> list[bool]:
         """Verify each chunk and hand it to ``sink`` straight from shared memory.
@@ -348,14 +383,30 @@ class AgentClient:
         # DRAM hits straight from the pool through the shared index: no round trip. The
         # agent serves the rest (lower tiers, peers, and any read that raced a writer).
         todo = self._load_direct(keys, fingerprint, sink, rep)
-        if not todo:
-            return rep
+        while todo:  # an agent serving inline bytes answers a bounded reply at a time
+            todo = self._load_via_agent(keys, todo, fingerprint, sink, rep)
+        return rep
+
+    def _load_via_agent(
+        self,
+        keys: Sequence[str],
+        todo: list[int],
+        fingerprint: bytes | None,
+        sink: Sink,
+        rep: LoadReport,
+    ) -> list[int]:
+        """One get of ``keys[i] for i in todo``; returns the positions the agent answered
+        "later" (its reply was full: ask again)."""
         want = [keys[i] for i in todo]
         items = self._call(Get(list(want), fingerprint))["items"]
         leased: list[int] = []
+        later: list[int] = []
         try:
             for i, key, item in zip(todo, want, items, strict=True):
                 if item is None:
+                    continue
+                if item.get("later"):
+                    later.append(i)
                     continue
                 rep.sources[i] = str(item.get("src") or "")
                 if "slot" in item:
@@ -367,7 +418,9 @@ class AgentClient:
         finally:
             if leased:  # one-way: a get costs one round trip
                 self._send(Release(leased))
-        return rep
+        if later and len(later) == len(todo):  # the agent served none: never spin on it
+            raise IPCError("the agent answered no chunk of a get")
+        return later
 
     def _load_direct(
         self, keys: Sequence[str], fingerprint: bytes | None, sink: Sink, rep: LoadReport
@@ -694,12 +747,18 @@ def connect(
     verify_dram_reads: bool = True,
     attach_pool: bool = True,
     timeout: float = 60.0,
+    client: str = "",
 ) -> AgentClient:
-    """Client for ``cfg``'s node agent; start one in-process if allowed and none runs."""
+    """Client for ``cfg``'s node agent; start one in-process if allowed and none runs.
+    ``client``: its kind (``protocol.CLIENT_KINDS``), for the agent's per-client counters."""
     path = cfg.socket_path
     try:
         return AgentClient(
-            path, verify_dram_reads=verify_dram_reads, attach_pool=attach_pool, timeout=timeout
+            path,
+            verify_dram_reads=verify_dram_reads,
+            attach_pool=attach_pool,
+            timeout=timeout,
+            client=client,
         )
     except (FileNotFoundError, ConnectionRefusedError, IPCError, OSError):
         if embedded == "never":
@@ -713,12 +772,13 @@ def connect(
         if path not in _embedded:
             try:
                 return AgentClient(path, verify_dram_reads=verify_dram_reads,
-                                   attach_pool=attach_pool, timeout=timeout)  # fmt: skip
+                                   attach_pool=attach_pool, timeout=timeout,
+                                   client=client)  # fmt: skip
             except (FileNotFoundError, ConnectionRefusedError, IPCError, OSError):
                 pass
             log.info("no node agent at %s: starting an embedded one", path)
             _embedded[path] = EmbeddedAgent(cfg)
-    return AgentClient(path, verify_dram_reads=verify_dram_reads, timeout=timeout)
+    return AgentClient(path, verify_dram_reads=verify_dram_reads, timeout=timeout, client=client)
 
 
 @contextlib.contextmanager
@@ -737,10 +797,11 @@ def _start_lock(socket_path: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
+def open_store(extra_config: Mapping[str, Any], *, client: str = "vllm") -> AgentClient:
     """ChunkStore for a connector. Keys: ``config_file``, ``tiered_cache`` (inline),
     ``embedded`` (auto|never), ``verify_dram_reads`` (default true), ``agent_timeout_s``
-    (how long a call may wait for the agent's answer; 60)."""
+    (how long a call may wait for the agent's answer; 60). ``client``: the connector's
+    kind (``protocol.CLIENT_KINDS``; the vLLM connector by default)."""
     cfg = config_from_extra(extra_config)
     sock = extra_config.get("agent_socket")
     if sock:
@@ -750,6 +811,7 @@ def open_store(extra_config: Mapping[str, Any]) -> AgentClient:
         embedded=str(extra_config.get("embedded", "auto")),
         verify_dram_reads=bool(extra_config.get("verify_dram_reads", True)),
         timeout=float(extra_config.get("agent_timeout_s", 60.0)),
+        client=client,
     )
 
 

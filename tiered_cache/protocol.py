@@ -4,8 +4,9 @@ Frames are length-prefixed msgpack maps (``tiered_cache.ipc``). A request is
 ``{"op": NAME, "v": VERSION, <its fields>}``; the reply is a map with ``"ok": true`` and
 the operation's result, or ``"ok": false`` with ``"error"`` (and ``"kind"``: ``auth``,
 ``pin_refused``, ``protocol``). Chunk bytes never travel in these frames locally: they go
-through the shared-memory DRAM pool, and frames carry slot numbers (``put`` is the
-exception, for chunks that fit nowhere in DRAM).
+through the shared-memory DRAM pool, and frames carry slot numbers (the exceptions, for
+chunks that fit nowhere in DRAM or an agent with no DRAM tier: ``put``, and ``get`` replies,
+bounded per reply, the rest answered ``later``).
 
 ``decode`` checks what the agent receives (an unknown operation, a field that is missing,
 extra or of the wrong type is a ``ProtocolError`` naming it); clients build requests with
@@ -46,9 +47,15 @@ class Request:
 
 @dataclass(frozen=True)
 class Hello(Request):
-    """The agent's identity and its DRAM pool's layout (for attaching it)."""
+    """The agent's identity and its DRAM pool's layout (for attaching it). ``client``:
+    which kind of client this connection is (``CLIENT_KINDS``), for per-client counters."""
 
     op = "hello"
+    client: str = ""
+
+
+# Kinds of client the agent counts loads and load failures for (any other: "other").
+CLIENT_KINDS = ("vllm", "lmcache_mp", "lmcache_plugin")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from prometheus_client import CollectorRegistry, Counter
 
 from policies import EntryInfo
 from tiered_cache import codec
@@ -28,6 +29,7 @@ from tiered_cache.ipc import IPCError, pack, read_msg
 from tiered_cache.keys import is_valid_key
 from tiered_cache.logthrottle import LogThrottle
 from tiered_cache.protocol import (
+    CLIENT_KINDS,
     REQUESTS,
     Abort,
     Alias,
@@ -61,10 +63,17 @@ class _Conn:
     models: set[str] = field(default_factory=set)  # fingerprints this client registered
     uid: int | None = None  # the peer's uid (SO_PEERCRED); None where unknown
     trusted: bool = True  # may write chunks and run admin ops (``AdminOps._check_access``)
+    client: str = "other"  # its kind, from its hello (``CLIENT_KINDS``): counters' label
 
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_PREFETCH_WAIT_S = 5.0  # the longest a prefetch request waits for its chunks to land
+# The most chunk bytes one get reply carries inline (chunks not leased in DRAM: no DRAM
+# tier, or no room in it), past its first chunks: the rest are answered "later" and the
+# client asks again, so a long prompt's load on an NVMe- or S3-only node holds a bounded
+# staging buffer, not the whole prompt's KV at once.
+MAX_INLINE_REPLY_BYTES = 64 << 20
+LATER = "later"
 
 
 def peer_uid(sock: Any) -> int | None:
@@ -97,7 +106,34 @@ _BAD_FRAME = (asyncio.IncompleteReadError, IPCError, ValueError, TypeError, msgp
 Handler = Callable[[_Conn, Any], Awaitable[dict[str, Any]]]
 
 
+class _LoadCounters:
+    """Chunks each kind of client asked this agent for, and those whose load failed (by
+    error), on the agent's registry: the dashboard's failure rate per client."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "tiered_cache_client_"
+        self.loads = _counter(registry, p + "loads", "Chunks clients loaded or asked for", [
+            "client"])  # fmt: skip
+        self.failures = _counter(
+            registry, p + "load_failures", "Chunks whose load failed, by client and error",
+            ["client", "kind"],
+        )  # fmt: skip
+
+
+def _counter(registry: CollectorRegistry, name: str, doc: str, labels: list[str]) -> Counter:
+    try:
+        return Counter(name, doc, labels, registry=registry)
+    except ValueError:  # a second agent on one registry (tests): share its series
+        found = registry._names_to_collectors[name]
+        assert isinstance(found, Counter)
+        return found
+
+
 class LocalServer(AgentState):
+    @functools.cached_property
+    def _load_counters(self) -> _LoadCounters:
+        return _LoadCounters(self.metrics.registry)
+
     @functools.cached_property
     def _client_log(self) -> LogThrottle:
         """Lines about what clients sent: one per kind a minute (a client repeats at
@@ -211,6 +247,8 @@ class LocalServer(AgentState):
         }
 
     async def _hello(self, conn: _Conn, req: Hello) -> dict[str, Any]:
+        if req.client:  # a bounded label: a client names itself, but from a fixed list
+            conn.client = req.client if req.client in CLIENT_KINDS else "other"
         dram = self.store.slots[0].tier
         pool = dram if isinstance(dram, SlotTier) else None
         return {
@@ -270,25 +308,43 @@ class LocalServer(AgentState):
         _check_keys("get", req.keys)  # before any lease is taken
         out: list[Any] = []
         sem = asyncio.Semaphore(8)  # chunks of one request load in parallel, bounded
+        inline = 0  # bytes of chunks this reply carries itself (not leased in DRAM)
 
-        async def one(key: str) -> tuple[tuple[int, int] | Hit | None, str]:
+        async def one(key: str) -> tuple[tuple[int, int] | Hit | str | None, str]:
+            nonlocal inline
             served: list[str] = []  # the source that actually served it, for the client
             async with sem:
+                # The reply is the staging buffer of chunks DRAM does not hold (no DRAM
+                # tier, or no room): bounded, the rest asked for again by the client.
+                if inline >= MAX_INLINE_REPLY_BYTES:
+                    return LATER, ""
                 got = await store.lease(key, expect_fingerprint=req.fp, served=served)
+                if isinstance(got, Hit):
+                    inline += memoryview(got.encoded()).nbytes
             return got, (served[0] if served else "")
 
         # Every load runs to its end even when one fails: the leases the others took are
         # then returned, not lost with the failed request.
+        counters = self._load_counters
         results = await asyncio.gather(*(one(k) for k in req.keys), return_exceptions=True)
         done = [r for r in results if not isinstance(r, BaseException)]
+        # Chunks answered "later" are counted when the client asks for them again.
+        later = sum(1 for got, _ in done if isinstance(got, str))
+        counters.loads.labels(conn.client).inc(len(req.keys) - later)
         if len(done) < len(results):
             for got, _ in done:
                 if isinstance(got, tuple):
                     store.release(got[0])
-            raise next(r for r in results if isinstance(r, BaseException))
+            err = next(r for r in results if isinstance(r, BaseException))
+            # The whole request fails: each of its chunks is a failed load. Logged by
+            # ``_handle``, once per kind a minute.
+            counters.failures.labels(conn.client, type(err).__name__).inc(len(req.keys) - later)
+            raise err
         for got, src in done:
             if got is None:
                 out.append(None)
+            elif isinstance(got, str):
+                out.append({"later": True})
             elif isinstance(got, Hit):
                 out.append({"data": got.encoded(), "src": got.source})
             else:
@@ -297,6 +353,7 @@ class LocalServer(AgentState):
         return {"items": out}
 
     async def _touch(self, conn: _Conn, req: Touch) -> dict[str, Any]:
+        self._load_counters.loads.labels(conn.client).inc(len(req.hits))
         self.store.note_dram_hits(req.hits)  # hits clients read through the shared index
         return {}
 

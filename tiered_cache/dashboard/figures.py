@@ -37,6 +37,12 @@ def cumulative(rd: Reading) -> dict[str, Any]:
         "errors": {k: _total(rd.samples, f"tiered_cache_{k}_total") for k in ERROR_KINDS},
         # A scraped router's (``--scrape ROUTER/metrics``): split, whole, skip.
         "decisions": _sum_by(rd.samples, "tiered_cache_router_decisions_total", "kind"),
+        # Per kind of client (vllm, lmcache_mp, lmcache_plugin): chunks asked for, and
+        # those whose load failed.
+        "client_loads": _sum_by(rd.samples, "tiered_cache_client_loads_total", "client"),
+        "client_load_failures": _sum_by(
+            rd.samples, "tiered_cache_client_load_failures_total", "client"
+        ),
     }
 
 
@@ -148,6 +154,14 @@ def summarize(rd: Reading) -> dict[str, Any]:
         "evictions_by_reason": _sum_by(rd.samples, "tiered_cache_evictions_total", "reason"),
         "admission_rejects": _total(rd.samples, "tiered_cache_admission_rejects_total"),
         "errors": cum["errors"],
+        "clients": {
+            c: {
+                "loads": n,
+                "load_failures": cum["client_load_failures"].get(c, 0.0),
+                "load_failure_rate": _ratio(cum["client_load_failures"].get(c, 0.0), n),
+            }
+            for c, n in sorted(cum["client_loads"].items())
+        },
         "cluster": {
             "hit_rate": c_total,
             "hit_rate_by_tier": c_per,
@@ -212,6 +226,7 @@ class History:
                 k: v / dt
                 for k, v in self._delta(cum.get("decisions", {}), base.get("decisions", {})).items()
             },
+            "load_failure_rate": _failure_rates(cum, base),
         }
         self.series.append(pt_series)
         return pt_series
@@ -237,7 +252,22 @@ class History:
                 k: [p["decisions_per_s"].get(k, 0.0) for p in pts]
                 for k in sorted({k for p in pts for k in p["decisions_per_s"]})
             },
+            # Share of each client's chunk loads that failed over the window (None: no
+            # loads in it).
+            "load_failure_rate": {
+                c: [p["load_failure_rate"].get(c) for p in pts]
+                for c in sorted({c for p in pts for c in p["load_failure_rate"]})
+            },
         }
+
+
+def _failure_rates(cum: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, float | None]:
+    """Per client: failed chunk loads over chunk loads between two readings."""
+    loads = History._delta(cum.get("client_loads", {}), base.get("client_loads", {}))
+    fails = History._delta(
+        cum.get("client_load_failures", {}), base.get("client_load_failures", {})
+    )
+    return {c: _ratio(fails.get(c, 0.0), n) for c, n in loads.items()}
 
 
 def build_state(rd: Reading, hist: History, *, started: float) -> dict[str, Any]:

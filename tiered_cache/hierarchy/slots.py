@@ -80,7 +80,10 @@ class SlotsMixin:
         return self.slots[0], self._pool
 
     async def reserve_dram(self, nbytes: int) -> int | None:
-        """A free DRAM slot for a client to fill, evicting if needed; None when refused."""
+        """A free DRAM slot for a client to fill, evicting if needed; None when refused
+        (and always without a DRAM pool: the client then sends the chunk inline)."""
+        if self._pool is None:
+            return None
         top, tier = self._dram()
         if not tier.fits(nbytes):
             return None
@@ -155,7 +158,17 @@ class SlotsMixin:
     ) -> tuple[int, int] | Hit | None:
         """Lease ``key`` in DRAM as (slot, length), promoting it from a lower tier or a peer
         first. Returns the Hit itself when it cannot be placed in DRAM, None on a miss.
-        On a hit, appends the source that served it (tier name or "peer") to ``served``."""
+        On a hit, appends the source that served it (tier name or "peer") to ``served``.
+        Without a DRAM pool (NVMe and/or S3 only) it is always the Hit: the agent hands
+        its bytes to the client inline, a reply's worth at a time (``agent.local``)."""
+        if self._pool is None:
+            # Promoted as any read is: an S3 hit lands in the top tier (NVMe) for the next.
+            hit = await self._get_planned(
+                key, await self._plan(key), expect_fingerprint, promote=True
+            )
+            if hit is not None and served is not None:
+                served.append(hit.source)
+            return hit
         top, tier = self._dram()
         got = tier.acquire(key)
         if got is not None:
@@ -199,7 +212,9 @@ class SlotsMixin:
     def note_dram_hits(self, hits: Sequence[Sequence[Any]]) -> None:
         """Account for ``(key, bytes, tokens)`` a client read straight from the pool through
         the shared index (no lease): recency for eviction, and the hit metrics."""
-        top, tier = self._dram()  # only a slot pool has a shared index to read through
+        if self._pool is None:  # only a slot pool has a shared index to read through
+            return
+        top, tier = self._dram()
         for key, nbytes, tokens in hits:
             if tier.size_of(key) is not None:  # evicted since: nothing to refresh
                 self._count_dram_hit(top, key, int(nbytes), int(tokens))
