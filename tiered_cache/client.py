@@ -123,6 +123,7 @@ class AgentClient:
         self._sock = sock
         self._broken = False
         hello = self._hello(sock)
+        self._pool_name: str | None = hello.get("shm_name") if self.attach_pool else None
         self.node_id: str = hello["node_id"]
         self.tiers: list[str] = hello["tiers"]
         # The cluster's chunk MAC key when the agent has one: chunks written here carry a
@@ -152,6 +153,12 @@ class AgentClient:
             self._shm, self._buf, self._index = shm, buf, index
         for m in self._models:  # a restarted agent forgot what this client registered
             call_sync(sock, encode(RegisterModel(m)))
+
+    def _same_pool(self, hello: Mapping[str, Any]) -> bool:
+        """Whether ``hello`` comes from the agent whose pool this client has mapped."""
+        if hello.get("shm_name") != self._pool_name:
+            return False
+        return self._index is None or self._index.live
 
     def _hello(self, sock: socket.socket) -> dict[str, Any]:
         """Hello naming this client's kind; a plain one to an agent that predates it."""
@@ -198,19 +205,7 @@ class AgentClient:
                 raise
 
     def _save_ready(self) -> None:
-        """Reconnect if the save connection broke, before anything uses its stash. Before
-        the first save connection is made, make sure the agent that gave us our pool still
-        answers: one that restarted since (or was replaced behind the socket) would hand
-        the new connection slots in its own pool while we wrote into the old mapping."""
-        if self._save_sock is None and self._buf is not None and not self._save_broken:
-            with self._lock:
-                if self._save_sock is None and not self._broken:
-                    try:
-                        self._hello(self._sock)
-                    except ConnectionLost:
-                        self._break_locked()
-                if self._broken:
-                    self._reconnect_locked()
+        """Reconnect if the save connection broke, before anything uses its stash."""
         if self._save_broken:
             with self._lock:
                 if self._save_broken:
@@ -222,10 +217,18 @@ class AgentClient:
         sock.settimeout(self.timeout)
         try:
             sock.connect(self.socket_path)
-            self._hello(sock)
+            hello = self._hello(sock)
         except (OSError, IPCError):
             sock.close()
             raise
+        if self._buf is not None and not self._same_pool(hello):
+            # The agent behind the socket restarted (or was replaced) since our pool was
+            # mapped: its slots are in another pool than the one we would write into.
+            # Checked on this new connection, not the main one, so a save never queues
+            # behind a load stuck on the main connection.
+            sock.close()
+            self._save_broken = True  # _save_ready: both connections anew, the pool remapped
+            raise ConnectionLost("the node agent changed since this client mapped its pool")
         self._save_sock = sock
         self._save_broken = False
         self._conn_gen += 1

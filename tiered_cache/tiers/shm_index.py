@@ -207,6 +207,11 @@ class SlotIndexReader:
         self._mask = nb - 1
         self._boff = HEADER + ROW * n
 
+    @property
+    def live(self) -> bool:
+        """False once the agent that kept this index is gone (the next owner marked it)."""
+        return not self._closed and bool(_U32.unpack_from(self._buf, _LIVE)[0])
+
     def find(self, key: str) -> tuple[int, int, int] | None:
         """``(slot, gen, length)`` of ``key``'s published copy, or None (ask the agent)."""
         buf = self._buf
