@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tokens must be >= 0 and --runs >= 1")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokens = a.tokens or (8192 if device.type == "cuda" else 1024)
+    if tokens % 16:
+        ap.error(f"--tokens must be a multiple of the 16-token block, got {tokens}")
     want = set(a.shapes.split(","))
     unknown = want - {s.name for s in SHAPES}
     if unknown:
