@@ -122,9 +122,12 @@ def moto_server() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def agent_process(tmp: Path, capacity: int, slot_bytes: int) -> Iterator[str]:
-    """A node agent with a DRAM tier only, in its own process as in production (in-process
-    it would share the GIL with the client's copies); yields its socket path."""
+def agent_process(
+    tmp: Path, capacity: int, slot_bytes: int, sections: Mapping[str, Any] | None = None
+) -> Iterator[str]:
+    """A node agent with a DRAM tier only (or the config ``sections`` given instead), in
+    its own process as in production (in-process it would share the GIL with the client's
+    copies); yields its socket path."""
     import yaml
 
     from tiered_cache.agent import spawn_agent
@@ -139,6 +142,7 @@ def agent_process(tmp: Path, capacity: int, slot_bytes: int) -> Iterator[str]:
             # leave GiBs in /dev/shm (they add up across runs until the OOM killer acts).
             "dram": {"capacity": capacity, "slot_bytes": slot_bytes, "keep_on_stop": False},
             "agent": {"socket": str(tmp / f"agent-{name}.sock")},
+            **(sections or {}),
         }
     )
     cfg_path = tmp / f"agent-{name}.yaml"

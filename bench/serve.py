@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -705,15 +706,8 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
             if name in ours:
                 stalls += v["stalls"]
 
-    def metric(name: str, label: str, key: str, sub: str | None = None) -> float | None:
-        v = (res.get(name) or {}).get(label)
-        if not isinstance(v, dict):
-            return None
-        x = v.get(key)
-        return x.get(sub) if sub and isinstance(x, dict) else x
-
-    def ratio(x: float | None, y: float | None) -> float | None:
-        return None if x is None or not y else round(x / y, 3)
+    metric = functools.partial(_metric, res)
+    ratio = _ratio
 
     labels = [lab for lab in ref if lab.split("@")[0] in ("chat", "trace") and lab[-5:] != "@kill"]
     main_label = labels[0] if labels else next(iter(ref), "")
@@ -805,19 +799,26 @@ def summarize(out: dict[str, Any], a: argparse.Namespace) -> None:
     out["ratios"].update(pd_goals(res, rated, main_label, out["stalls_by_deployment"]))
 
 
+def _metric(res: dict[str, Any], name: str, label: str, key: str,
+            sub: str | None = None) -> float | None:  # fmt: skip
+    """``res[name][label][key]`` (``[sub]``), None where a deployment or level is missing."""
+    v = (res.get(name) or {}).get(label)
+    if not isinstance(v, dict):
+        return None
+    x = v.get(key)
+    return x.get(sub) if sub and isinstance(x, dict) else x
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return None if x is None or not y else round(x / y, 3)
+
+
 def pd_goals(res: dict[str, Any], rated: list[tuple[float, str]], main_label: str,
              stalls: dict[str, int]) -> dict[str, Any]:  # fmt: skip
     """P/D against its same-hardware baselines, at every load level run."""
 
-    def get(name: str, label: str, key: str, sub: str | None = None) -> float | None:
-        v = (res.get(name) or {}).get(label)
-        if not isinstance(v, dict):
-            return None
-        x = v.get(key)
-        return x.get(sub) if sub and isinstance(x, dict) else x
-
-    def ratio(x: float | None, y: float | None) -> float | None:
-        return None if x is None or not y else round(x / y, 3)
+    get = functools.partial(_metric, res)
+    ratio = _ratio
 
     ref = res.get("mono") or {}
     levels = [lab for lab in ref if lab.split("@")[0] in ("chat", "trace", "mixed")

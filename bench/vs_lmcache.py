@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import (
     FP,
     MiB,
+    agent_process,
     bench_keys,
     chunk_meta,
     moto_server,
@@ -354,7 +355,6 @@ def _event_loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 def bench_dram(s: Stream, lmc: LMCache, tmp: Path) -> dict[str, Any]:
-    from _common import agent_process
 
     from tiered_cache.client import AgentClient
 
@@ -407,35 +407,13 @@ def bench_dram(s: Stream, lmc: LMCache, tmp: Path) -> dict[str, Any]:
     return out
 
 
-@contextlib.contextmanager
-def nvme_only_agent(tmp: Path) -> Iterator[str]:
+def nvme_only_agent(tmp: Path) -> contextlib.AbstractContextManager[str]:
     """A node agent with an NVMe tier and no DRAM tier (LMCache's ``local_cpu: False`` with
     ``local_disk``), in its own process; yields its socket path."""
-    import yaml
-
-    from tiered_cache.agent import spawn_agent
-    from tiered_cache.config import load_config
-
-    cfg = load_config(
-        {
-            "node_id": f"bench-nv-{os.getpid()}",
-            "dram": {"enabled": False},
-            "nvme": {"enabled": True, "path": str(tmp / "ours-l2"), "capacity": "64GiB"},
-            "agent": {"socket": str(tmp / "agent-nv.sock")},
-        }
-    )
-    cfg_path = tmp / "agent-nv.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    proc = spawn_agent(cfg_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield cfg.socket_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    return agent_process(tmp, 0, 0, {
+        "dram": {"enabled": False},
+        "nvme": {"enabled": True, "path": str(tmp / "ours-l2"), "capacity": "64GiB"},
+    })  # fmt: skip
 
 
 def bench_nvme_l2(s: Stream, lmc: LMCache, tmp: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import pytest
 
 from e2e.test_pd_handoff import Gen, assert_same_generation, parse
 from e2e.test_router import RouterProc, completion_body
-from e2e.vllm_harness import VllmServer, free_port, kv_transfer_config, pinned_core
+from e2e.vllm_harness import VllmServer, free_port, kv_transfer_config, pinned_core, start_pd_agent
 
 CHUNK = 256
 
@@ -46,16 +46,7 @@ def turns(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Turns]:
     root = tmp_path_factory.mktemp("turns")
-    node = f"turns-{uuid.uuid4().hex[:6]}"
-    agent = agent_procs(node, {
-        "node_id": node,
-        "chunk_size": CHUNK,
-        "dram": {"capacity": "64MiB", "slot_bytes": "512KiB"},
-        "nvme": {"enabled": True, "path": str(root / "nvme"), "capacity": "256MiB",
-                 "write_mode": "write_through"},
-        "agent": {"socket": str(root / "agent.sock"), "usage_log_interval_s": 30},
-    }).start()
-    store = {"config_file": str(agent.cfg_path), "embedded": "never"}
+    agent, store = start_pd_agent(agent_procs, root, "turns", CHUNK)
     # kv_both as in the demo: the prefill loads what is cached and computes the rest.
     prefill = VllmServer(
         "turns-prefill", tiny_model, free_port(), log_dir / "turns-prefill.log",

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,7 +37,14 @@ import httpx
 import pytest
 
 from e2e.test_pd_handoff import Gen, assert_same_generation, parse
-from e2e.vllm_harness import REPO, VllmServer, free_port, kv_transfer_config, pinned_core
+from e2e.vllm_harness import (
+    REPO,
+    VllmServer,
+    free_port,
+    kv_transfer_config,
+    pinned_core,
+    start_pd_agent,
+)
 
 CHUNK = 256
 GEN_TOKENS = 8
@@ -176,16 +182,7 @@ def pd(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[PD]:
     root = tmp_path_factory.mktemp("pd")
-    node = f"pd-{uuid.uuid4().hex[:6]}"
-    agent = agent_procs(node, {
-        "node_id": node,
-        "chunk_size": CHUNK,
-        "dram": {"capacity": "64MiB", "slot_bytes": "512KiB"},  # a chunk is 256 KiB
-        "nvme": {"enabled": True, "path": str(root / "nvme"), "capacity": "256MiB",
-                 "write_mode": "write_through"},
-        "agent": {"socket": str(root / "agent.sock"), "usage_log_interval_s": 30},
-    }).start()
-    store = {"config_file": str(agent.cfg_path), "embedded": "never"}
+    agent, store = start_pd_agent(agent_procs, root, "pd", CHUNK)
     prefill = VllmServer(
         "rt-prefill", tiny_model, free_port(), log_dir / "rt-prefill.log",
         kv_config=kv_transfer_config("kv_producer", store, chunk_size=CHUNK),

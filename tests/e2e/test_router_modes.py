@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,14 @@ import pytest
 
 from e2e.test_pd_handoff import assert_same_generation, parse
 from e2e.test_router import CHUNK, completion_body, min_cached, ref_completion, text_prompt
-from e2e.vllm_harness import REPO, VllmServer, free_port, kv_transfer_config, pinned_core
+from e2e.vllm_harness import (
+    REPO,
+    VllmServer,
+    free_port,
+    kv_transfer_config,
+    pinned_core,
+    start_pd_agent,
+)
 
 
 class Proc:
@@ -80,14 +86,8 @@ def rig(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Rig]:
     root = tmp_path_factory.mktemp("modes")
-    node = f"modes-{uuid.uuid4().hex[:6]}"
-    agent = agent_procs(node, {
-        "node_id": node, "chunk_size": CHUNK,
-        "dram": {"capacity": "64MiB", "slot_bytes": "512KiB"},
-        "agent": {"socket": str(root / "agent.sock")},
-        "router": {"split": "auto"},
-    }).start()  # fmt: skip
-    store = {"config_file": str(agent.cfg_path), "embedded": "never"}
+    agent, store = start_pd_agent(agent_procs, root, "modes", CHUNK,
+                                  nvme={"enabled": False}, router={"split": "auto"})
     servers = [
         VllmServer(
             f"rm-{x}", tiny_model, free_port(), log_dir / f"rm-{x}.log",

@@ -77,3 +77,25 @@ class SharedStore:
             self.client.close()
         finally:
             self._tc_client.shutdown_embedded()
+
+
+def start_pd_agent(
+    agent_procs: Any, root: Path, prefix: str, chunk: int, **sections: Any
+) -> tuple[Any, dict[str, str]]:
+    """The node agent of a P/D rig (``agent_procs``: tests/e2e/conftest.py): 64 MiB of DRAM
+    over a write-through NVMe tier under ``root``; ``sections`` replace those. Returns the
+    started agent and the connector's store settings for it."""
+    import uuid
+
+    node = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cfg: dict[str, Any] = {
+        "node_id": node,
+        "chunk_size": chunk,
+        "dram": {"capacity": "64MiB", "slot_bytes": "512KiB"},  # a chunk is 256 KiB
+        "nvme": {"enabled": True, "path": str(root / "nvme"), "capacity": "256MiB",
+                 "write_mode": "write_through"},
+        "agent": {"socket": str(root / "agent.sock"), "usage_log_interval_s": 30},
+        **sections,
+    }  # fmt: skip
+    agent = agent_procs(node, cfg).start()
+    return agent, {"config_file": str(agent.cfg_path), "embedded": "never"}
