@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from connectors.lmcache_pins import prefix_pin
+from e2e.test_lmcache_mp import _wait
 from e2e.test_pd_handoff import assert_same_generation, make_prompt, parse
 from e2e.vllm_harness import VllmServer, free_port, pinned_core
 from tiered_cache.tools.lmcache_launch import LMCacheServer, tiered_l2_adapter
@@ -47,14 +48,6 @@ MIXES: dict[str, tuple[str, str | None]] = {
     "dram": ("dram", None),
     "dram+nvme+s3": ("nvme", None),
 }
-
-
-def _wait(what: str, cond: Callable[[], bool], timeout: float = 60.0) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return time.monotonic() - t0
 
 
 class Agents:
