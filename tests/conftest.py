@@ -245,9 +245,27 @@ def _our_shm() -> set[str]:
         return set()
 
 
+def _shm_in_use() -> set[str]:
+    """Segments some live process maps or holds open: a concurrent run's (a second pytest,
+    the demo, a bench) on the same host, which must not be pulled from under it."""
+    used: set[str] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    used.add(line.rsplit("/dev/shm/", 1)[1].split(" ")[0])
+            for fd in (proc / "fd").iterdir():
+                target = str(fd.readlink())
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/") :])
+        except OSError:  # gone, or not ours to read
+            continue
+    return used
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _drop_module_pools() -> Iterator[None]:
     before = _our_shm()
     yield
-    for name in _our_shm() - before:
+    for name in _our_shm() - before - _shm_in_use():
         (_SHM / name).unlink(missing_ok=True)
