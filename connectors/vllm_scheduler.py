@@ -363,11 +363,12 @@ class SchedulerSide(ConnectorBase):
     def _probe_partial(
         self, prompt: Sequence[int], salt: str | None, w: _Wait, span: ChunkSpan
     ) -> tuple[int, int, str, str, float, int] | None:
-        """The longest block-aligned partial chunk at ``span`` that an earlier prompt
-        saved and this prompt shares, or the first blocks of an earlier prompt's whole
-        chunk there (its aliases): one round trip for every candidate length."""
-        bs = self._block_size
-        lengths = list(range(((span.num_tokens - 1) // bs) * bs, 0, -bs))
+        """The longest partial chunk at ``span`` that an earlier prompt saved and this
+        prompt shares (its exact tail, or that tail's whole blocks), or the first blocks
+        of an earlier prompt's whole chunk there (its aliases): one round trip for every
+        candidate length."""
+        # Shorter than the span: its whole length is the prompt's own key, looked up.
+        lengths = tc_keys.probe_lengths(span.num_tokens - 1)
         if not lengths:
             return None
         parent = w.keys[span.index - 1] if span.index else None

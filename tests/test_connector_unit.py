@@ -1012,17 +1012,25 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
 
 def next_turn_loads_the_tail(d: Any) -> tuple[FakeRequest, list[int]]:
     """PROMPT's next turn (190 tokens) on node ``d``, after PROMPT was saved: it finds
-    chunks 0 and 1 whole and the tail's 16-token aligned copy, and loads them."""
+    chunks 0 and 1 whole and PROMPT's 22-token tail, every token PROMPT computed (not
+    only the tail's whole blocks), and loads them."""
     dreq = FakeRequest("d1", [*PROMPT, *range(600, 640)])
-    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (128 + 16, False)
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (150, False)
     blocks = [*D_BLOCKS, 50, 51]
-    d.sched.update_state_after_alloc(dreq, FakeBlocks(blocks), 144)
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(blocks), 150)
     load = d.step(sched_output([])).loads[0]
-    assert [(c.index, c.num_tokens) for c in load.chunks] == [(0, 64), (1, 64), (2, 16)]
+    assert [(c.index, c.num_tokens) for c in load.chunks] == [(0, 64), (1, 64), (2, 22)]
     return dreq, blocks
 
 
-def test_a_longer_prompt_loads_the_block_aligned_tail_of_an_earlier_one(
+def same_150_tokens(got: torch.Tensor, blocks: list[int], want: torch.Tensor) -> bool:
+    """PROMPT's 150 tokens: 9 whole blocks and 6 tokens of the tenth."""
+    return torch.equal(got[blocks[:9]], want[P_BLOCKS[:9]]) and torch.equal(
+        got[blocks[9], :, :6], want[P_BLOCKS[9], :, :6]
+    )
+
+
+def test_a_longer_prompt_loads_the_tail_of_an_earlier_one(
     vllm_mod: Any, agent_store: dict[str, Any]
 ) -> None:
     """The next turn of a conversation extends the previous prompt. Its chunk at the
@@ -1041,9 +1049,9 @@ def test_a_longer_prompt_loads_the_block_aligned_tail_of_an_earlier_one(
     longer = dreq.prompt_token_ids
     assert d.worker.get_block_ids_with_load_errors() == set()
     for li in range(LAYERS):
-        assert torch.equal(d.layers[li][blocks[:9]], p.layers[li][P_BLOCKS[:9]])
+        assert same_150_tokens(d.layers[li], blocks, p.layers[li])
     # The longer prompt's own chunk 2 is new: it is saved once its tokens are computed.
-    meta2 = d.step(sched_output([(dreq, blocks, 144, len(longer) - 144)]))
+    meta2 = d.step(sched_output([(dreq, blocks, 150, len(longer) - 150)]))
     assert [(s.index, s.num_tokens, s.aligned) for s in meta2.saves] == [(2, 62, False),
                                                                          (2, 48, True)]
 
@@ -1082,11 +1090,11 @@ class TP2Node:
         return meta
 
 
-def test_tp2_every_rank_loads_an_earlier_prompts_aligned_tail(
+def test_tp2_every_rank_loads_an_earlier_prompts_tail(
     vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At TP=2 the metadata names rank 0's keys; rank 1 derives its own from the
-    tokens. For the block-aligned tail an earlier, shorter prompt saved, that is the
+    tokens. For the tail an earlier, shorter prompt saved, that is the
     key of those tokens, not of the longer prompt's chunk at that position (which no
     rank has): without it rank 1 failed the load and the request recomputed."""
     p = TP2Node(vllm_mod, "kv_both", 1, monkeypatch)
@@ -1100,8 +1108,7 @@ def test_tp2_every_rank_loads_an_earlier_prompts_aligned_tail(
     for rank, w in enumerate(d.workers):
         assert w.get_block_ids_with_load_errors() == set(), f"rank {rank}"
         for li in range(LAYERS):
-            got, want = d.layers[rank][li][blocks[:9]], p.layers[rank][li][P_BLOCKS[:9]]
-            assert torch.equal(got, want), f"rank {rank} layer {li}"
+            assert same_150_tokens(d.layers[rank][li], blocks, p.layers[rank][li]), (rank, li)
 
 
 @pytest.mark.parametrize("aliases", [True, False], ids=["aliases", "off"])
@@ -1264,24 +1271,24 @@ def test_a_decode_saves_what_it_computes_when_the_router_skipped_the_prefill(
     turn2 = [*PROMPT, *range(600, 640)]  # 190 tokens: chunk 2 grows to 62
     req = FakeRequest("d2", turn2, kv_transfer_params=hint([]))  # the router skipped
     d.sched.on_new_request(req)
-    assert d.sched.get_num_new_matched_tokens(req, 0) == (128 + 16, False)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (150, False)
     blocks = [*D_BLOCKS, 50, 51]
-    d.sched.update_state_after_alloc(req, FakeBlocks(blocks), 144)
+    d.sched.update_state_after_alloc(req, FakeBlocks(blocks), 150)
     assert len(lookups) == 1  # the match's lookup only
     d.step(sched_output([]))
     # The step that computes the prompt (and samples the first token) copies nothing out:
     # the save comes a step later, off the request's TTFT.
-    assert d.step(sched_output([(req, blocks, 144, len(turn2) - 144)])).saves == []
+    assert d.step(sched_output([(req, blocks, 150, len(turn2) - 150)])).saves == []
     meta = d.step(decode_step(req, len(turn2)))
     assert [(s.index, s.num_tokens, s.aligned) for s in meta.saves] == [
         (2, 62, False), (2, 48, True)
     ]
     d.sched.request_finished(req, blocks)
-    # Turn 3 (220 tokens, chunk 2 now whole) finds the decode's 48 aligned tokens.
+    # Turn 3 (220 tokens, chunk 2 now whole) finds every token turn 2 computed.
     turn3 = [*turn2, *range(700, 730)]
     req3 = FakeRequest("d3", turn3, kv_transfer_params=hint([]))
     d.sched.on_new_request(req3)
-    assert d.sched.get_num_new_matched_tokens(req3, 0) == (128 + 48, False)
+    assert d.sched.get_num_new_matched_tokens(req3, 0) == (190, False)
     # A decode whose prefill saved the whole prompt saves nothing; nor does one without
     # the router's hint (a plain consumer).
     p_keys = d.sched.scheduler._req_keys(turn3, None)

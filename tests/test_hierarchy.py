@@ -583,3 +583,44 @@ async def test_a_missing_key_is_asked_about_once_until_a_local_put(
     finally:
         await store.close()
         await other.close()
+
+
+async def test_alternatives_cost_a_bounded_number_of_s3_heads_without_a_directory(
+    s3_server, s3_bucket  # type: ignore[no-untyped-def]
+) -> None:
+    """A partial-chunk probe asks about every tail length (255 keys for a 256-token
+    chunk). While the directory is unreachable S3 is asked directly, but only about the
+    longest ``BLIND_S3_PROBES``: one round of HEADs, not one per length."""
+    from tiered_cache.directory import LocalDirectory
+    from tiered_cache.hierarchy.remote import BLIND_S3_PROBES
+
+    class Down(LocalDirectory):
+        @property
+        def degraded(self) -> bool:
+            return True
+
+    s3 = S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1")
+    store = TieredStore([TierSlot(dram(4)), TierSlot(s3, write_mode="write_through")],
+                        node_id="me", directory=Down())  # fmt: skip
+    other = S3Tier(s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1")
+    heads: list[str] = []
+    head = s3._head
+
+    def counted_head(okey: str) -> bool | BaseException:
+        heads.append(okey)
+        return head(okey)
+
+    s3._head = counted_head  # type: ignore[method-assign]
+    cands = [key(1000 + i) for i in range(255)]
+    try:
+        await other.put(cands[3], blob(cands[3]))  # another node's write, unknown here
+        got = await store.present(cands)
+        assert len(heads) == BLIND_S3_PROBES
+        assert got[3] is not None and got[3][0] == "s3"
+        assert [i for i, g in enumerate(got) if g is not None] == [3]
+        # A prefix lookup is not capped: the walk stops at its first miss anyway.
+        heads.clear()
+        assert await store.lookup([cands[3]]) == ["s3"]
+    finally:
+        await store.close()
+        await other.close()

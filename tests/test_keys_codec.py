@@ -49,6 +49,23 @@ def test_partial_tail() -> None:
     assert partial_keys(toks, FP, None, keys[1], 64, [6]) == [keys[2]]
 
 
+@given(st.lists(st.integers(1, 32), min_size=1, max_size=20), st.booleans())
+def test_partial_keys_of_many_lengths_equal_each_computed_alone(
+    lengths: list[int], second_chunk: bool
+) -> None:
+    """One running hash serves every length (the probe of every tail length): each key is
+    the one a save of exactly those tokens computes, whatever the order of ``lengths``."""
+    cs = FP.chunk_size  # 32
+    toks = list(range(7, 7 + 2 * cs))
+    base = cs if second_chunk else 0
+    parent = chunk_keys(toks, FP)[0] if second_chunk else None
+    got = partial_keys(toks, FP, None, parent, base, lengths)
+    for n, key in zip(lengths, got, strict=True):
+        assert key == partial_keys(toks, FP, None, parent, base, [n])[0]
+        # ... and the key of a prompt that ends right there (its tail chunk).
+        assert key == chunk_keys(toks[: base + n], FP, include_partial=True)[-1]
+
+
 def test_fingerprint_validation() -> None:
     with pytest.raises(ValueError, match="multiple of block_size"):
         ModelFingerprint("m", block_size=16, chunk_size=40)

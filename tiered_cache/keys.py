@@ -150,7 +150,22 @@ def partial_keys(
     block-aligned tails of multi-turn conversations)."""
     arr = _as_int32_bytes(tokens)
     parent = bytes.fromhex(parent_key) if parent_key else root_digest(fp, cache_salt)
-    return [
-        hashlib.sha256(parent + arr[start : start + n].tobytes()).digest()[:KEY_BYTES].hex()
-        for n in lengths
-    ]
+    # One running hash, copied at each length: a probe of every token length of a chunk
+    # (``probe_lengths``) costs one pass over its tokens, not one per length.
+    out: dict[int, str] = {}
+    h = hashlib.sha256(parent)
+    at = start
+    for n in sorted(set(lengths)):
+        h.update(arr[at : start + n].tobytes())
+        at = start + n
+        out[n] = h.copy().digest()[:KEY_BYTES].hex()
+    return [out[n] for n in lengths]
+
+
+def probe_lengths(span_tokens: int) -> list[int]:
+    """Candidate lengths, longest first, of an earlier prompt's partial chunk inside a
+    chunk span of ``span_tokens``: every length, not only whole blocks. A conversation's
+    previous turn ended anywhere in the chunk, and its exact tail is what the next turn
+    shares; probing block multiples only lost up to a block per turn (127 tokens with
+    vLLM CPU's 128-token blocks)."""
+    return list(range(span_tokens, 0, -1))

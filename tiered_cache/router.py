@@ -49,7 +49,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from tiered_cache.breaker import Breaker
-from tiered_cache.keys import IDENTITY_FIELDS, ModelFingerprint, chunk_keys, partial_keys
+from tiered_cache.keys import (
+    IDENTITY_FIELDS,
+    ModelFingerprint,
+    chunk_keys,
+    partial_keys,
+    probe_lengths,
+)
 from tiered_cache.protocol import Models
 from tiered_cache.router_replies import (
     RETRY_STATUS,
@@ -459,10 +465,10 @@ class Router:
         self, toks: Sequence[int], fp: ModelFingerprint, salt: str | None, keys: list[str]
     ) -> int:
         """Leading prompt tokens the cache holds: the whole chunks found, then the longest
-        block-aligned part of the next one an earlier prompt saved (its partial tail, or
-        the first blocks of a whole chunk), probed as the connector does: what a decode
-        that skips prefill loads, not only whole chunks. Runs in a thread."""
-        cs, bs = fp.chunk_size, fp.block_size
+        part of the next one an earlier prompt saved (its partial tail, that tail's whole
+        blocks, or the first blocks of a whole chunk), probed as the connector does:
+        what a decode that skips prefill loads, not only whole chunks. Runs in a thread."""
+        cs = fp.chunk_size
         cache = self.cache
         assert cache is not None
         try:
@@ -476,7 +482,7 @@ class Router:
             return 0
         start = found * cs
         span = min(cs, len(toks) - start)
-        lengths = list(range(((span - 1) // bs) * bs, 0, -bs)) if bs > 0 else []
+        lengths = probe_lengths(span - 1)
         part = 0
         if lengths and hasattr(cache, "present"):
             parent = keys[found - 1] if found else None

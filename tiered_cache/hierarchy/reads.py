@@ -52,7 +52,9 @@ class ReadsMixin:
 
     if TYPE_CHECKING:  # defined by TieredStore and RemoteMixin
 
-        async def _remote_sources(self, keys: Sequence[str]) -> list[str | None]: ...
+        async def _remote_sources(
+            self, keys: Sequence[str], *, alternatives: bool = False
+        ) -> list[str | None]: ...
         def _best_peer_s(self, size: int) -> float: ...
         def peer_usable(self, node: str) -> bool: ...
         async def _forged(self, source: str, key: str, e: codec.ChunkForged) -> None: ...
@@ -136,7 +138,9 @@ class ReadsMixin:
         if missing:
             # Only the chunks before the first one found nowhere matter; ask about every
             # missing one in one batch anyway (one round trip beats a second one).
-            remote = await self._remote_sources([keys[i] for i in missing])
+            remote = await self._remote_sources(
+                [keys[i] for i in missing], alternatives=not prefix
+            )
             until = time.monotonic() + ABSENT_S
             if len(self._absent) > ABSENT_MAX:
                 self._absent.clear()

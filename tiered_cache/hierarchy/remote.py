@@ -23,6 +23,9 @@ from tiered_cache.events import StoreEvents
 from tiered_cache.hierarchy.types import Hit, PeerFetch, PeerSkipped, TierSlot
 
 log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package, as before
+# S3 HEADs one ``present`` of alternative keys may cost while the directory cannot say
+# which exist: one S3 round trip of concurrent HEADs, the longest candidates first.
+BLIND_S3_PROBES = 16
 PROBE_KEY = "0" * 32  # what a breaker's probe asks a peer for: held by nobody, answered fast
 
 
@@ -93,7 +96,14 @@ class RemoteMixin:
         d = self.directory
         return d is not None and not getattr(d, "degraded", False)
 
-    async def _remote_sources(self, keys: Sequence[str]) -> list[str | None]:
+    async def _remote_sources(
+        self, keys: Sequence[str], *, alternatives: bool = False
+    ) -> list[str | None]:
+        """Where other than here each key is: ``peer``, ``s3`` or None. ``alternatives``:
+        the keys are candidates of which at most a few exist (every length of a partial
+        chunk, longest first), so without a healthy directory only the first
+        ``BLIND_S3_PROBES`` unknown ones are asked of S3: a HEAD for each of 255 lengths
+        would cost more than the recompute it saves."""
         res: list[str | None] = [None] * len(keys)
         if self.directory is not None:
             locs = await self.directory.locate(keys)
@@ -119,6 +129,8 @@ class RemoteMixin:
                 first = await s3.tier.contains_many([keys[unknown[0]]])
                 if not first[0]:
                     unknown = []
+            elif alternatives:
+                unknown = unknown[:BLIND_S3_PROBES]
             if unknown:
                 hits = await s3.tier.contains_many([keys[i] for i in unknown])
                 for i, h in zip(unknown, hits, strict=True):

@@ -156,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--clients", type=int, default=1, help="requests in flight at a time (the recompute column is measured alone)")
     ap.add_argument("--json", metavar="PATH", help="also write the summary (gains) as JSON")
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="turn vLLM's own prefix cache on in both servers (off by default, so every "
+        "reused token in the table comes from the tiered cache)",
+    )
     a = ap.parse_args(argv)
     work = Path(a.workdir)
     if work.exists():  # a fresh run: no chunks or logs from the last one
@@ -271,7 +277,11 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     if agent.poll() is not None:
         raise RuntimeError((work / "agent.log").read_text()[-3000:])
 
-    say("[4/6] prefill + decode vLLM servers (CPU); first start takes ~30-60 s")
+    say(
+        "[4/6] prefill + decode vLLM servers (CPU), vLLM's prefix cache "
+        f"{'on' if a.prefix_caching else 'off'}; first start takes ~30-60 s"
+    )
+    pc_args = ["--enable-prefix-caching"] if a.prefix_caching else []
     store = {"config_file": str(cfg_path), "embedded": "never"}
     pre = procs.add(
         "prefill",
@@ -285,6 +295,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
             kv_config=kv_transfer_config("kv_both", store, policy="recompute"),
             env={**env_s3, "VLLM_CPU_OMP_THREADS_BIND": "0"},  # one core each
             dtype="bfloat16",
+            extra_args=pc_args,
         ),
     )
     dec = procs.add(
@@ -297,6 +308,7 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
             kv_config=kv_transfer_config("kv_consumer", store, policy="recompute"),
             env={**env_s3, "VLLM_CPU_OMP_THREADS_BIND": "1"},
             dtype="bfloat16",
+            extra_args=pc_args,
         ),
     )
     pre.start()
