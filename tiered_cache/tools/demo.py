@@ -332,6 +332,13 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
             say(f"      ... waiting for {', '.join(s.name for s in pending)} ({waited:.0f}s)")
         time.sleep(0.5)
     say(f"      servers up in {time.monotonic() - t_start:.0f}s")
+    # A server's first prefills of a new length run slower (vLLM CPU's first-call costs).
+    # The recompute column is measured after the replay, on warm servers; warm both here
+    # too, so the first shared-prompt requests are not charged for them. Salted: nothing
+    # the replay could load.
+    for s in (pre, dec):
+        for n in (150, 450):  # about 350 and 1,000 tokens: the demo's lengths
+            _request(s.url, "warm " * n, 2, salt=f"demo-warmup-{uuid.uuid4().hex}")
 
     rport = free_port()
     say(f"[5/6] router on :{rport} (cache-aware: tokenizes, looks the prompt up in the cache)")
