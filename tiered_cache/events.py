@@ -60,6 +60,9 @@ class StoreEvents:
     def absent_skipped(self, n: int) -> None:
         """A lookup answered ``n`` keys missing from a recent miss (no remote query)."""
 
+    def s3_probe_late(self) -> None:
+        """A lookup stopped waiting for S3 on a chunk the directory does not list."""
+
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int | None) -> None:
         """``tier``'s occupancy, as last measured."""
 
@@ -135,6 +138,9 @@ class MetricsEvents(StoreEvents):
 
     def absent_skipped(self, n: int) -> None:
         self.m.absent_skipped.inc(n)
+
+    def s3_probe_late(self) -> None:
+        self.m.s3_probes_late.inc()
 
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int | None) -> None:
         self.m.used_bytes.labels(tier).set(used_bytes)

@@ -109,6 +109,12 @@ class Metrics:
             "directory or S3 again",
             registry=r,
         )
+        self.s3_probes_late = Counter(
+            p + "s3_probes_late",
+            "Lookups that stopped waiting for S3 to confirm a chunk the directory does not "
+            "list (counted as a miss)",
+            registry=r,
+        )
         self.verification_failures = Counter(
             p + "verification_failures", "Chunks that failed verification", ["tier"], registry=r
         )

@@ -436,6 +436,7 @@ class Router:
             t1 = time.perf_counter()
             info.cached = await asyncio.to_thread(self._cached_tokens, toks, fp, salt, keys)
             self._phase("lookup", time.perf_counter() - t1)
+            log.debug("tokenize %.0f ms, lookup %.0f ms", 1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t1))
         return info
 
     async def _tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
@@ -600,6 +601,11 @@ class Router:
         if not self._handoff.allow():
             return await self._serve_whole(path, body, rid, request, _Timing(t_in))
         info = None if self._cache_guard.blocked else await self._prompt(path, body)
+        if info is not None:
+            log.debug(
+                "%s: %d prompt tokens, %d cached, known %.0f ms after arrival",
+                rid, info.tokens, info.cached, 1e3 * (time.perf_counter() - t_in),
+            )  # fmt: skip
         prefer: Backend | None = None  # the decode server the cost model chose
         uncached = info.uncached if info is not None else 0
         if self.split_mode == "split":
@@ -834,6 +840,12 @@ class Router:
                 b.running += 1
                 self._phase("decode_first_byte", now - t0)
                 self._phase("ttft", now - tm.t_in)
+                log.debug(
+                    "%s: first byte %.0f ms after arrival: %.0f ms in the router (tokenize,"
+                    " lookup, prefill), %.0f ms on %s (%d tokens to compute, %d queued ahead)",
+                    rid, 1e3 * (now - tm.t_in), 1e3 * (t0 - tm.t_in), 1e3 * (now - t0),
+                    b.url, tm.uncached, ahead,
+                )  # fmt: skip
                 if tm.handoff:
                     self.handoff_s.add(now - t0)
                 else:

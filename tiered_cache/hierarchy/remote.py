@@ -26,6 +26,11 @@ log = logging.getLogger("tiered_cache.hierarchy")  # one logger for the package,
 # S3 HEADs one ``present`` of alternative keys may cost while the directory cannot say
 # which exist: one S3 round trip of concurrent HEADs, the longest candidates first.
 BLIND_S3_PROBES = 16
+# How long a lookup waits for S3 to confirm a chunk a healthy directory does not list (a
+# node that died, its entries aged out): a HEAD on S3 takes 10-50 ms, but one queued behind
+# write-through uploads on a busy server takes 100-400 ms (moto beside two vLLMs on two
+# cores), more than the load it could find saves. Past it the chunk counts as a miss.
+DIRECTORY_MISS_S3_WAIT_S = 0.05
 PROBE_KEY = "0" * 32  # what a breaker's probe asks a peer for: held by nobody, answered fast
 
 
@@ -126,8 +131,13 @@ class RemoteMixin:
             # walk stops there anyway) and the rest only if that probe hits.
             unknown = [i for i, r in enumerate(res) if r is None]
             if unknown and self._directory_ok():
-                first = await s3.tier.contains_many([keys[unknown[0]]])
-                if not first[0]:
+                head = asyncio.ensure_future(s3.tier.contains_many([keys[unknown[0]]]))
+                done, _ = await asyncio.wait({head}, timeout=DIRECTORY_MISS_S3_WAIT_S)
+                if not done:  # it finishes in the background; its answer is dropped
+                    head.add_done_callback(_drop_result)
+                    self.events.s3_probe_late()
+                    unknown = []
+                elif not head.result()[0]:
                     unknown = []
             elif alternatives:
                 unknown = unknown[:BLIND_S3_PROBES]
@@ -196,3 +206,9 @@ class RemoteMixin:
         self.events.hit("peer", meta.num_tokens, len(raw), dt)
         self.events.peer_transfer("in")
         return Hit(meta, payload, "peer", raw)
+
+
+def _drop_result(fut: asyncio.Future[list[bool]]) -> None:
+    """Retrieve a late S3 probe's outcome, so an error in it is not logged as unretrieved."""
+    if not fut.cancelled():
+        fut.exception()
