@@ -238,3 +238,28 @@ async def test_policy_state_bounded_by_capacity(name: str) -> None:
     assert _entries(policy) <= 300, _entries(policy)
     assert len(store._info) <= 8
     await store.close()
+
+
+async def test_lookup_does_not_wait_on_a_slow_s3_head(s3_bucket: str, proxy: FaultProxy) -> None:
+    """A chunk the healthy directory does not list (written by a node whose entries aged
+    out) is confirmed by a HEAD while S3 answers; when S3 is stuck (HEADs held), the
+    lookup answers a miss without waiting for it, counts it, and later lookups still work."""
+    writer = S3Tier(s3_bucket, endpoint_url=proxy.url, region="us-east-1")
+    for i in (0, 1):
+        await writer.put(key(i), blob(i))  # in S3, unknown to the directory
+    await writer.close()
+    m = Metrics()
+    store = TieredStore(
+        [TierSlot(dram(4)), TierSlot(slow_s3(s3_bucket, proxy))],
+        metrics=m, directory=LocalDirectory(),
+    )  # fmt: skip
+    assert await store.lookup([key(0)]) == ["s3"]
+    proxy.hold_next(-1, methods=["HEAD"])
+    try:
+        assert await asyncio.wait_for(store.lookup([key(1)]), 10) == []
+        assert await asyncio.to_thread(proxy.wait_held, 1)  # the HEAD was sent, and is stuck
+        assert m.value("tiered_cache_s3_probes_late_total") == 1
+    finally:
+        proxy.release()
+    assert await store.lookup([key(0)]) == ["s3"]
+    await store.close()
