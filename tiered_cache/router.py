@@ -436,7 +436,6 @@ class Router:
             t1 = time.perf_counter()
             info.cached = await asyncio.to_thread(self._cached_tokens, toks, fp, salt, keys)
             self._phase("lookup", time.perf_counter() - t1)
-            log.debug("tokenize %.0f ms, lookup %.0f ms", 1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t1))
         return info
 
     async def _tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tiered_cache import codec
 from tiered_cache.api import NODE_TIERS
@@ -48,7 +48,7 @@ class RemoteMixin:
     mac_key: bytes | None
     _typical_bytes: int
     _peer_breakers: dict[str, Breaker]
-    _peer_probes: set[asyncio.Task[None]]
+    _probes: set[asyncio.Future[Any]]  # off the read path: cancelled at close
 
     if TYPE_CHECKING:  # defined by TieredStore
 
@@ -83,8 +83,8 @@ class RemoteMixin:
             return True
         if not b.blocked and b.allow():  # due: probe off the read path
             t = asyncio.ensure_future(self._probe_peer(node, b))
-            self._peer_probes.add(t)
-            t.add_done_callback(self._peer_probes.discard)
+            self._probes.add(t)
+            t.add_done_callback(self._probes.discard)
         self.events.peer_skipped()
         return False
 
@@ -134,7 +134,8 @@ class RemoteMixin:
                 head = asyncio.ensure_future(s3.tier.contains_many([keys[unknown[0]]]))
                 done, _ = await asyncio.wait({head}, timeout=DIRECTORY_MISS_S3_WAIT_S)
                 if not done:  # it finishes in the background; its answer is dropped
-                    head.add_done_callback(_drop_result)
+                    self._probes.add(head)
+                    head.add_done_callback(self._probes.discard)
                     self.events.s3_probe_late()
                     unknown = []
                 elif not head.result()[0]:
@@ -206,9 +207,3 @@ class RemoteMixin:
         self.events.hit("peer", meta.num_tokens, len(raw), dt)
         self.events.peer_transfer("in")
         return Hit(meta, payload, "peer", raw)
-
-
-def _drop_result(fut: asyncio.Future[list[bool]]) -> None:
-    """Retrieve a late S3 probe's outcome, so an error in it is not logged as unretrieved."""
-    if not fut.cancelled():
-        fut.exception()

@@ -19,6 +19,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from policies import EntryInfo
 from tiered_cache.breaker import Breaker
@@ -114,7 +115,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         self._absent: dict[str, float] = {}  # key -> until when it is known missing (reads)
         self.aliases = AliasMap()  # prefixes of whole chunks (``present``)
         self._peer_breakers: dict[str, Breaker] = {}  # node -> its breaker (remote.py)
-        self._peer_probes: set[asyncio.Task[None]] = set()
+        self._probes: set[asyncio.Future[Any]] = set()
         # tier -> key -> ids of pins covering it
         self._pinned: dict[str, dict[str, set[str]]] = {s.name: {} for s in self.slots}
         self._pins: dict[str, Pin] = {}
@@ -490,7 +491,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
                 await asyncio.sleep(0)  # a page at a time: requests are served in between
 
     async def close(self) -> None:
-        for t in list(self._peer_probes):  # a probe of a hung peer would outlive the loop
+        for t in list(self._probes):  # a probe of a hung peer would outlive the loop
             t.cancel()
         await self.flush()
         for s in self.slots:

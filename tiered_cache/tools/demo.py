@@ -342,13 +342,6 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
     for s in (pre, dec):
         for n in (150, 450):  # about 350 and 1,000 tokens: the demo's lengths
             _request(s.url, "warm " * n, 2, salt=f"demo-warmup-{uuid.uuid4().hex}")
-    # And the hit path's first calls (a load, then a partial prefill behind it: 100-400 ms
-    # on the first shared-prompt request otherwise): the prefill saves a prompt, then each
-    # server loads it and computes a tail.
-    salt = f"demo-warmup-{uuid.uuid4().hex}"
-    _request(pre.url, "warm " * 400, 2, salt=salt)
-    for s, tail in ((pre, "more "), (dec, "else ")):
-        _request(s.url, "warm " * 400 + tail * 40, 2, salt=salt)
 
     rport = free_port()
     say(f"[5/6] router on :{rport} (cache-aware: tokenizes, looks the prompt up in the cache)")
@@ -359,7 +352,6 @@ def _run(a: argparse.Namespace, work: Path, procs: Procs) -> int:
                 sys.executable,
                 "-m",
                 "tiered_cache.cli",
-                "-v",
                 "router",
                 "--prefill",
                 pre.url,
