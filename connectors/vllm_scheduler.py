@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connectors.vllm_common import ConnectorArgs, ConnectorBase, _chunk_bytes, logger
+from connectors.vllm_events import describe_chunks
 from connectors.vllm_kvio import ChunkSpan, load_block_ranges, loadable_spans
 from connectors.vllm_kvio import chunk_spans as _chunk_spans
 from connectors.vllm_metadata import (
@@ -95,6 +96,7 @@ class _ReqState:
     # token is out, so the copy is not part of its TTFT (the prompt's blocks stay as they
     # are while it decodes). A request that ends at its first token saves nothing.
     lag: bool = False
+    request: Request | None = None  # for its block hashes (KV events: ``_describe``)
 
 
 class SchedulerSide(ConnectorBase):
@@ -115,6 +117,10 @@ class SchedulerSide(ConnectorBase):
         # whether this step already held the scheduler for arriving chunks (once a step).
         self._idle = False
         self._held = False
+        mc = self._vllm_config.model_config  # the model KV events' topics name
+        served = getattr(mc, "served_model_name", None)
+        names = [served] if isinstance(served, str) else list(served or [])
+        self._model_name = str(names[0]) if names else str(mc.model)
 
         policy = getattr(args.ktc, "kv_load_failure_policy", "recompute")
         if self._load_enabled and policy != "recompute":
@@ -427,6 +433,7 @@ class SchedulerSide(ConnectorBase):
                     st.tail_key = tc_keys.partial_keys(
                         prompt, self._fp, salt, parent, tail.start, [aligned]
                     )[0]
+            st.request = request
             self._reqs[rid] = st
             if elsewhere is not None:
                 # Chunks already in the cache, or saved by its prefill, need no second copy.
@@ -490,6 +497,11 @@ class SchedulerSide(ConnectorBase):
             )
         self._hit_sources[rid] = by_source
         self._planned[rid] = {b for c in chunks for b in c.block_ids}
+        # The agent copies what it loads into its DRAM: its KV events name vLLM's blocks.
+        # Not a whole chunk read for its first blocks: its other tokens are another
+        # prompt's.
+        self._describe(st, [(c.key, st.spans[c.index].start, c.num_tokens)
+                            for c in chunks if c.index not in stored])  # fmt: skip
         # Loaded chunks need no saving; a partial one does (its full chunk is new).
         full = [c.index + 1 for c in chunks if m.partial is None or c.index != m.partial[0]]
         st.next_save = max(st.next_save, max(full, default=0))
@@ -579,6 +591,7 @@ class SchedulerSide(ConnectorBase):
     def _plan_saves(self, st: _ReqState, computed: int, meta: TieredCacheConnectorMetadata) -> None:
         n = len(st.prompt)
         added = False
+        first = len(meta.saves)
         whole: list[tuple[str, str | None, int]] = []  # (key, parent, start) for aliases
         while st.next_save < len(st.spans):
             s = st.spans[st.next_save]
@@ -610,10 +623,23 @@ class SchedulerSide(ConnectorBase):
                 whole.append((st.keys[s.index], parent, s.start))
             st.next_save += 1
             added = True
+        if added:
+            self._describe(st, [(c.key, st.spans[c.index].start, c.num_tokens)
+                                for c in meta.saves[first:]])  # fmt: skip
         if added and self._tp_world > 1:
             meta.save_tokens[st.req_id] = (st.prompt, st.salt)
         if whole and self._aliases:
             self._register_aliases(st, whole)
+
+    def _describe(self, st: _ReqState, chunks: list[tuple[str, int, int]]) -> None:
+        """Tell an agent that publishes KV events which vLLM blocks these chunks (key, first
+        token, tokens) hold: its events then name them as vLLM's own do."""
+        store = self._store
+        if st.request is None or not chunks or store is None or not store.takes_descriptions:
+            return
+        desc = describe_chunks(st.request, chunks, self._block_size, self._model_name)
+        if desc is not None:
+            self._guarded("describe", lambda s: s.describe(desc), None)
 
     def _register_aliases(self, st: _ReqState, whole: list[tuple[str, str | None, int]]) -> None:
         """Name the block-aligned prefixes of the whole chunks this step saves (the agent's

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tiered_cache.codec import ChunkMeta
+
+if TYPE_CHECKING:
+    from tiered_cache.protocol import Describe
 
 # The names every module uses (configs, metrics labels, the directory, the connector).
 TIERS = ("dram", "nvme", "s3")  # a node's tiers, nearest first
@@ -112,6 +115,13 @@ class SlotStore(ChunkStore, Protocol):
 
     def alias(self, targets: Sequence[str], aliases: Sequence[Sequence[str]]) -> None:
         """Register ``aliases[i]`` as keys of prefixes of chunk ``targets[i]``."""
+        ...
+
+    # Whether the store publishes KV events, so wants ``describe`` calls.
+    takes_descriptions: bool
+
+    def describe(self, req: Describe) -> None:
+        """What vLLM calls the blocks of some chunks (the store's KV events)."""
         ...
 
     def prefetch(
@@ -222,6 +232,11 @@ class MemoryChunkStore:
 
     def alias(self, targets: Sequence[str], aliases: Sequence[Sequence[str]]) -> None:
         self._aliases.add(targets, aliases)
+
+    takes_descriptions = False  # publishes no KV events
+
+    def describe(self, req: Describe) -> None:
+        return
 
     def prefetch(
         self, keys: Sequence[str], fingerprint: bytes | None = None, wait_s: float = 0.0

@@ -31,6 +31,7 @@ from tiered_cache.protocol import (
     Abort,
     Alias,
     Commit,
+    Describe,
     Get,
     Hello,
     Locate,
@@ -130,6 +131,7 @@ class AgentClient:
         # MAC that other nodes check (codec.py).
         self.mac_key: bytes | None = hello.get("chunk_mac_key")
         self.takes_aliases = bool(hello.get("aliases"))
+        self.takes_descriptions = bool(hello.get("kv_events"))
         self.slot_bytes: int = hello["slot_bytes"]
         # A chunk takes a run of slots: anything up to the pool's size fits.
         self.pool_bytes: int = int(hello.get("pool_bytes") or 0)
@@ -318,6 +320,12 @@ class AgentClient:
         """Register ``aliases[i]`` as keys of prefixes of chunk ``targets[i]`` (no reply)."""
         if targets and self.takes_aliases:
             self._send(Alias(list(targets), [list(a) for a in aliases]))
+
+    def describe(self, req: Describe) -> None:
+        """Tell the agent what vLLM calls the blocks of some chunks (no reply); only to an
+        agent that publishes KV events."""
+        if req.keys and self.takes_descriptions:
+            self._send(req)
 
     def prefetch(
         self, keys: Sequence[str], fingerprint: bytes | None = None, wait_s: float = 0.0

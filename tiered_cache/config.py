@@ -188,6 +188,46 @@ class AgentConfig(_Strict):
         return os.path.expanduser(v) if v is not None else None
 
 
+class KVEventsConfig(_Strict):
+    """vLLM-format KV events of this node's tiers, for external routers (llm-d, Dynamo):
+    ``tiered_cache.kv_events``, docs/operations.md "KV events"."""
+
+    enabled: bool = False
+    # PUB socket (vLLM's ``endpoint``). Loopback by default, and not vLLM's 5557, which an
+    # engine on the same host may hold; ``tcp://*:5567`` serves other hosts.
+    endpoint: str = "tcp://127.0.0.1:5567"
+    # ROUTER socket for replays (vLLM's ``replay_endpoint``); null: no replay.
+    replay_endpoint: str | None = "tcp://127.0.0.1:5568"
+    # ZMQ topic; {node_id} and {model} (the served model name of the chunk's writer) are
+    # filled in. llm-d reads pod and model from topics like "kv@{node_id}@{model}".
+    topic: str = ""
+    buffer_steps: int = Field(10_000, ge=1)  # batches kept for replay
+    hwm: int = Field(100_000, ge=1)  # PUB high-water mark (messages per subscriber)
+    batch_events: int = Field(512, ge=1, le=100_000)  # a batch goes out at this many events
+    flush_s: float = Field(0.005, gt=0, le=10)  # or once its first event waited this long
+    # Descriptions of chunks no tier holds yet (they arrive before the chunk): kept LRU.
+    max_pending_descriptions: int = Field(4096, ge=0)
+    # Where descriptions of resident chunks are kept across restarts (default: the
+    # runtime directory, "<node_id>.kvevents").
+    state_path: str | None = None
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(tcp|ipc|inproc)://.+", v):
+            raise ValueError(f"must be a ZMQ endpoint (tcp://host:port, ipc://path), got {v!r}")
+        return v
+
+    @field_validator("topic")
+    @classmethod
+    def _topic(cls, v: str) -> str:
+        try:
+            v.format(node_id="n", model="m")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"only {{node_id}} and {{model}} may be filled in ({e})") from None
+        return v
+
+
 class CacheConfig(_Strict):
     node_id: str = Field(default_factory=lambda: socket.gethostname())
     chunk_size: int = Field(256, ge=1)
@@ -209,6 +249,7 @@ class CacheConfig(_Strict):
     s3: S3Config = Field(default_factory=lambda: S3Config())
     agent: AgentConfig = Field(default_factory=lambda: AgentConfig())
     router: RouterConfig = Field(default_factory=lambda: RouterConfig())
+    kv_events: KVEventsConfig = Field(default_factory=lambda: KVEventsConfig())
     # Per-tenant byte quotas per tier (docs/operations.md, "Tenancy"), by tenant name.
     tenants: dict[TenantName, TenantQuota] = Field(default_factory=dict)
 
@@ -238,6 +279,13 @@ class CacheConfig(_Strict):
     def socket_path(self) -> str:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.node_id)
         return self.agent.socket or os.path.join(default_runtime_dir(), f"{safe}.sock")
+
+    @property
+    def kv_events_state_path(self) -> str:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.node_id)
+        return self.kv_events.state_path or os.path.join(
+            default_runtime_dir(), f"{safe}.kvevents"
+        )
 
     @property
     def dram_shm_name(self) -> str:

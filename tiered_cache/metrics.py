@@ -167,6 +167,27 @@ class Metrics:
             p + "source_bandwidth_bytes_per_second", "Estimated bandwidth of a source",
             ["source"], registry=r,
         )
+        # KV events (tiered_cache.kv_events): what routers learn of this node's tiers.
+        self.kv_events = Counter(
+            p + "kv_events", "KV events published (type: BlockStored, BlockRemoved, "
+            "AllBlocksCleared)", ["type"], registry=r,
+        )
+        self.kv_event_batches = Counter(
+            p + "kv_event_batches", "KV event batches published", registry=r
+        )
+        self.kv_event_replays = Counter(
+            p + "kv_event_replays", "Replay requests (result: replayed, the buffered batches; "
+            "snapshot, older than the buffer: the whole state; refused, malformed)",
+            ["result"], registry=r,
+        )
+        self.kv_event_descriptions = Gauge(
+            p + "kv_event_descriptions", "Chunks whose vLLM blocks the agent knows", registry=r
+        )
+        self.kv_event_descriptions_refused = Counter(
+            p + "kv_event_descriptions_refused",
+            "Chunk descriptions refused as inconsistent (wrong token count, too many blocks)",
+            registry=r,
+        )
 
     def value(self, name: str, **labels: str) -> float:
         """Current sample value (for tests and the CLI); 0 when never set."""

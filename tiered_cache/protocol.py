@@ -92,6 +92,27 @@ class Alias(Request):
 
 
 @dataclass(frozen=True)
+class Describe(Request):
+    """What vLLM calls the blocks of chunks this client saves or loads, for the agent's
+    KV events (``tiered_cache.kv_events``): per chunk, the hashes of its full blocks, the
+    hash of the block before them, and their tokens (uint32, little endian); ``extra_keys``
+    per chunk, one entry per block, as vLLM publishes them. Sent only to an agent whose
+    hello says ``kv_events``; fire-and-forget."""
+
+    op = "describe"
+    noreply = True
+    keys: list[str]
+    hashes: list[list[int | bytes]]
+    parents: list[int | bytes | None]
+    tokens: list[bytes]
+    block_size: int
+    model: str = ""
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+
+
+@dataclass(frozen=True)
 class Prefetch(Request):
     """Copy chunks that live below DRAM or on other nodes into DRAM, in the background;
     with ``wait_s``, reply once they have landed (or their copies failed), at most then."""
@@ -266,7 +287,7 @@ ADMIN: frozenset[type[Request]] = frozenset({PinAdd, PinRm, Evict, Flush, Warm, 
 REQUESTS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
-        Hello, Lookup, Present, Alias, Prefetch, Locate, Get, Touch, Release, Reserve, Commit,
+        Hello, Lookup, Present, Alias, Describe, Prefetch, Locate, Get, Touch, Release, Reserve, Commit,
         Abort, Put, RegisterModel, Stats, Nodes, Counters, Models, Ls, PinLs, PinAdd, PinRm,
         Evict, Flush, Warm, Clear,
     )

@@ -18,6 +18,7 @@ from tiered_cache.protocol import (
     Clear,
     Commit,
     Counters,
+    Describe,
     Evict,
     Flush,
     Ls,
@@ -42,7 +43,9 @@ log = logging.getLogger("tiered_cache.agent")
 
 
 # What a local client of another uid may not do: write chunks or registrations.
-WRITES: frozenset[type[Request]] = frozenset({Put, Commit, Reserve, RegisterModel, Alias})
+WRITES: frozenset[type[Request]] = frozenset(
+    {Put, Commit, Reserve, RegisterModel, Alias, Describe}
+)
 
 
 def token_matches(given: object, want: str) -> bool:
@@ -156,15 +159,20 @@ class AdminOps(AgentState):
     def _ls(self, prefix: str, limit: int, tenant: str = "") -> dict[str, Any]:
         found: list[dict[str, Any]] = []
         owner = self.store.tenants.owner
+        book = self.kv_events.book if self.kv_events is not None else None
         for slot in self.store.slots:
             pinned = self.store.pinned_keys(slot.name)
             for k, size in slot.tier.entries():
                 of = owner(slot.name, k)
                 if k.startswith(prefix) and (not tenant or of == tenant):
-                    found.append(
-                        {"key": k, "tier": slot.name, "bytes": size, "pinned": k in pinned,
-                         "tenant": of}
-                    )  # fmt: skip
+                    e = {"key": k, "tier": slot.name, "bytes": size, "pinned": k in pinned,
+                         "tenant": of}  # fmt: skip
+                    if book is not None:  # the vLLM blocks its KV events name
+                        hs = book.hashes(k)
+                        e["blocks"] = None if hs is None else [
+                            h.hex() if isinstance(h, bytes) else h for h in hs
+                        ]
+                    found.append(e)
         found.sort(key=lambda e: e["key"])
         return {"entries": found[: max(0, limit)], "total": len(found)}
 

@@ -34,6 +34,7 @@ from tiered_cache.protocol import (
     Abort,
     Alias,
     Commit,
+    Describe,
     Get,
     Hello,
     Locate,
@@ -234,6 +235,7 @@ class LocalServer(AgentState):
             Lookup: self._lookup,
             Present: self._present,
             Alias: self._alias,
+            Describe: self._describe,
             Prefetch: self._prefetch,
             Locate: self._locate,
             Get: self._get,
@@ -265,6 +267,8 @@ class LocalServer(AgentState):
             # Whether this client may register aliases (a write): one that may not, or
             # an agent that predates them, is sent none.
             "aliases": conn.trusted,
+            # Whether to describe chunks' vLLM blocks (this agent publishes KV events).
+            "kv_events": self.kv_events is not None and conn.trusted,
         }
 
     async def _lookup(self, conn: _Conn, req: Lookup) -> dict[str, Any]:
@@ -286,6 +290,15 @@ class LocalServer(AgentState):
         for names in req.aliases:
             _check_keys("alias", names)
         self.store.aliases.add(req.targets, req.aliases)
+        return {}
+
+    async def _describe(self, conn: _Conn, req: Describe) -> dict[str, Any]:
+        _check_keys("describe", req.keys)
+        if self.kv_events is not None:
+            try:
+                self.kv_events.describe(req)
+            except ValueError as e:
+                raise ProtocolError(str(e)) from None
         return {}
 
     async def _prefetch(self, conn: _Conn, req: Prefetch) -> dict[str, Any]:

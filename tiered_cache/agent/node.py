@@ -20,6 +20,7 @@ from tiered_cache.agent.sync import DirectorySync
 from tiered_cache.config import CacheConfig
 from tiered_cache.directory import Directory, LocalDirectory, ModelRegistration, RedisDirectory
 from tiered_cache.hierarchy import TieredStore, TierSlot
+from tiered_cache.kv_events import KVEvents
 from tiered_cache.metrics import Metrics
 from tiered_cache.netaddr import advertise_host
 from tiered_cache.private_dir import default_runtime_dir, ensure_private_dir, is_inside
@@ -138,6 +139,13 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
             max_background_bytes=cfg.agent.max_background_bytes,
             tenant_quotas=cfg.tenants,
         )
+        # vLLM-format KV events of the tiers (kv_events.enabled), fed by the store.
+        self.kv_events: KVEvents | None = None
+        if cfg.kv_events.enabled:
+            self.kv_events = KVEvents(
+                cfg.kv_events, cfg.node_id, self.store, cfg.kv_events_state_path, self.metrics
+            )
+            self.store.residency = self.kv_events
         self._servers: list[asyncio.base_events.Server] = []
         self._local_tasks: set[asyncio.Task[None]] = set()  # one per connected client or peer
         self._tasks: list[asyncio.Task[None]] = []
@@ -165,6 +173,8 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
 
     async def start(self) -> None:
         await self.store.open()
+        if self.kv_events is not None:  # binds its sockets, publishes the snapshot
+            await self.kv_events.start()
         if self._file_pins is not None:  # before the socket exists: clients see the pins
             await self._import_pins(self._file_pins)
         # Bound now (a bad path fails before the node is advertised), accepting only once
@@ -242,6 +252,8 @@ class NodeAgent(LocalServer, AdminOps, PeerLink, DirectorySync):
             for sock in conns:
                 sock.close()
         await self.store.close()
+        if self.kv_events is not None:  # after the last write-backs' events
+            await self.kv_events.close()
         await self.directory.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.cfg.socket_path)

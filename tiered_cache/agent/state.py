@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from tiered_cache.config import CacheConfig
     from tiered_cache.directory import Directory, ModelRegistration, Pin
     from tiered_cache.hierarchy import TieredStore
+    from tiered_cache.kv_events import KVEvents
     from tiered_cache.metrics import Metrics
     from tiered_cache.protocol import Request
 
@@ -26,6 +27,7 @@ class AgentState:
     directory: Directory
     metrics: Metrics
     peer_address: tuple[str, int] | None
+    kv_events: KVEvents | None  # vLLM-format KV events (kv_events.enabled), else None
     # one handler per protocol message (local.py, admin.py)
     _handlers: dict[type[Request], Callable[[Any, Any], Awaitable[dict[str, Any]]]]
     _local_tasks: set[asyncio.Task[None]]  # one per connected client or peer

@@ -33,7 +33,14 @@ from tiered_cache.hierarchy.quotas import QuotasMixin
 from tiered_cache.hierarchy.reads import ReadsMixin
 from tiered_cache.hierarchy.remote import RemoteMixin
 from tiered_cache.hierarchy.slots import SlotsMixin
-from tiered_cache.hierarchy.types import Hit, PeerFetch, TierSlot, header_info, header_tenant
+from tiered_cache.hierarchy.types import (
+    Hit,
+    PeerFetch,
+    Residency,
+    TierSlot,
+    header_info,
+    header_tenant,
+)
 from tiered_cache.metrics import Metrics
 from tiered_cache.tenancy import TenantBook, TenantQuota
 from tiered_cache.tiers.base import SlotTier, TierError, TierFull
@@ -63,6 +70,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         mac_key: bytes | None = None,
         max_background_bytes: int = DEFAULT_BACKGROUND_BYTES,
         tenant_quotas: Mapping[str, TenantQuota] | None = None,
+        residency: Residency | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
@@ -81,6 +89,8 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         # ``metrics`` (the trace simulator passes a plain StoreEvents: no bookkeeping).
         self.metrics = metrics or Metrics()
         self.events = events if events is not None else MetricsEvents(self.metrics)
+        # Which tier holds which key, as it changes (the agent's KV events); None: nobody.
+        self.residency = residency
         self.location_ttl_s = location_ttl_s
         # DRAM contents were verified on the way in and live in trusted memory; re-hashing
         # them on every read would cost as much as the copy itself.
@@ -168,14 +178,20 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         if nbytes:  # also when cancelled before it ran
             t.add_done_callback(lambda _: self.background.give(nbytes))
 
-    async def _publish(self, tier: str, keys: Sequence[str]) -> None:
-        # Every local write comes through here: a key just stored is no longer missing.
+    async def _publish(self, tier: str, keys: Sequence[str], *, refresh: bool = False) -> None:
+        # Every local write comes through here (``refresh``: a republish, not a write): a
+        # key just stored is no longer missing.
         for k in keys:
             self._absent.pop(k, None)
+        if self.residency is not None and keys and not refresh:
+            self.residency.added(tier, list(keys))
         if self.directory is not None and keys:
             await self.directory.publish(self.node_id, tier, keys, self.location_ttl_s)
 
     async def _unpublish(self, tier: str, keys: Sequence[str]) -> None:
+        # Every removal of a local copy comes through here.
+        if self.residency is not None and keys:
+            self.residency.removed(tier, list(keys))
         if self.directory is not None and keys:
             await self.directory.unpublish(self.node_id, tier, keys)
 
@@ -272,8 +288,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         self.tenants.remove(slot.name, key)
         if removed:
             self.events.evicted(slot.name, reason)
-            if self.directory is not None:
-                await self._unpublish(slot.name, [key])
+            await self._unpublish(slot.name, [key])
         self._forget_info(key)
 
     async def _write_tier(
@@ -465,6 +480,8 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
             slot.eviction.on_remove(key)
         self.tenants.remove(slot.name, key)
         self._forget_info(key)
+        if self.residency is not None:
+            self.residency.forgot(slot.name, key)
 
     # ---------------------------------------------------------------- admin
 
@@ -487,7 +504,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
         for s in self.slots:
             keys = [k for k, _ in s.tier.entries()]  # bounded: S3's index is (index_max_entries)
             for i in range(0, len(keys), REPUBLISH_BATCH):
-                await self._publish(s.name, keys[i : i + REPUBLISH_BATCH])
+                await self._publish(s.name, keys[i : i + REPUBLISH_BATCH], refresh=True)
                 await asyncio.sleep(0)  # a page at a time: requests are served in between
 
     async def close(self) -> None:

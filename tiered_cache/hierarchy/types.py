@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from policies import AdmissionPolicy, EntryInfo, EvictionPolicy, make_admission, make_eviction
 from tiered_cache import codec
@@ -18,6 +18,18 @@ WriteMode = Literal["write_through", "write_back"]
 # request and reply, not its own queueing or connection set-up, which say nothing about the
 # source's speed and would skew the estimates.
 PeerFetch = Callable[[str, str], Awaitable[tuple[bytes | bytearray, float] | None]]
+
+
+class Residency(Protocol):
+    """Told of every change of which tier holds which key (KV events, ``kv_events``):
+    ``added`` once a copy landed, ``removed`` once one is deleted, ``forgot`` when a tier
+    let go of a key it still stores (S3's bounded index)."""
+
+    def added(self, tier: str, keys: list[str]) -> None: ...
+
+    def removed(self, tier: str, keys: list[str]) -> None: ...
+
+    def forgot(self, tier: str, key: str) -> None: ...
 
 
 class PeerSkipped(Exception):
