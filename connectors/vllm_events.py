@@ -22,7 +22,7 @@ def describe_chunks(
     request: Request, chunks: Sequence[tuple[str, int, int]], block_size: int, model: str
 ) -> Describe | None:
     """The description of ``chunks`` (key, first token, tokens) of ``request``: their full
-    blocks only (vLLM hashes no partial block). None when there is nothing to say, or when
+    blocks only (vLLM hashes no partial block: a chunk of less than one holds none). None when there is nothing to say, or when
     vLLM hashes blocks of another size than the KV cache's (hybrid models)."""
     hashes = request.block_hashes
     tokens = request.all_token_ids
@@ -35,8 +35,8 @@ def describe_chunks(
     extras: list[list[object] | None] = []
     for key, start, n in chunks:
         b0, nb = start // block_size, n // block_size
-        if start % block_size or nb == 0 or b0 + nb > len(hashes):
-            continue
+        if start % block_size or b0 + nb > len(hashes):
+            continue  # (nb == 0: a tail of less than a block, described as holding none)
         keys.append(key)
         hs.append([maybe_convert_block_hash(h) for h in hashes[b0 : b0 + nb]])
         parents.append(maybe_convert_block_hash(hashes[b0 - 1]) if b0 else None)

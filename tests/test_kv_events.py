@@ -238,8 +238,12 @@ def test_the_book_announces_once_held_and_removes_only_what_it_announced() -> No
     assert len(book) == 1 + 2
     with pytest.raises(DescriptionError):
         book.describe("x", Blocks([1], None, b"\0" * 8, BS))
-    with pytest.raises(DescriptionError):
-        book.describe("x", Blocks([], None, b"", BS))
+    held["x"] = ["dram"]
+    n = len(out)
+    book.describe("x", Blocks([], None, b"", BS))  # less than a block: described, silent
+    assert book.hashes("x") == [] and len(out) == n
+    book.removed("dram", "x")
+    assert len(out) == n
     pages = book.snapshot(["t"])
     assert [type(e).__name__ for _, evs in pages for e in evs] == [
         "AllBlocksCleared", "AllBlocksCleared", "BlockStored"]  # fmt: skip

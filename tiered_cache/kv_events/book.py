@@ -9,7 +9,9 @@ put, promotion, demotion, pin warm-up and restart; removed on eviction, delete, 
 a failed verification.
 
 A chunk that was never described (written by another client, or before events were on)
-produces no events: a consumer could not join it with vLLM's blocks anyway. A description
+produces no events: a consumer could not join it with vLLM's blocks anyway; nor does one
+described as holding no full block (a prompt's tail of less than a block, which vLLM does
+not hash), though ``ls`` shows it described (``blocks: []``). A description
 is kept while a tier here holds its key, and, for keys not yet stored (the description
 arrives first), in a bounded LRU (``max_pending``).
 """
@@ -79,8 +81,8 @@ class Blocks:
 
     def check(self) -> None:
         n = len(self.hashes)
-        if not 1 <= n <= MAX_BLOCKS_PER_CHUNK:
-            raise DescriptionError(f"a chunk of {n} blocks (1 to {MAX_BLOCKS_PER_CHUNK})")
+        if n > MAX_BLOCKS_PER_CHUNK:
+            raise DescriptionError(f"a chunk of {n} blocks (at most {MAX_BLOCKS_PER_CHUNK})")
         if self.block_size < 1:
             raise DescriptionError(f"block_size {self.block_size}")
         if len(self.tokens) != n * self.block_size * TOKEN_BYTES:
@@ -167,11 +169,14 @@ class BlockBook:
         add up). Tiers that already hold the key are announced now: the put can land
         before its description does."""
         blocks.check()
-        old = self._resident.get(key) or self._pending.pop(key, None)
-        if old is not None:
-            blocks.tiers = old.tiers  # same tokens, same chunk: the latest naming wins
+        if key in self._resident:
+            # Announced already: its removals must name the hashes its stores did. (Two
+            # vLLM instances name the same tokens alike only with the same PYTHONHASHSEED.)
+            self._refresh(key)
+            return
+        self._pending.pop(key, None)
         held = [t for t in self._holds(key) if t in self.media]
-        if not held and not blocks.tiers:
+        if not held:
             self._pending[key] = blocks
             self._pending.move_to_end(key)
             while len(self._pending) > self.max_pending:
@@ -180,6 +185,12 @@ class BlockBook:
         self._resident[key] = blocks
         for t in held:
             self.added(t, key)
+
+    def _refresh(self, key: str) -> None:
+        """Announce ``key`` in tiers that hold it but were not announced yet."""
+        for t in self._holds(key):
+            if t in self.media:
+                self.added(t, key)
 
     def added(self, tier: str, key: str) -> None:
         b = self._resident.get(key)
@@ -192,7 +203,8 @@ class BlockBook:
         if m is None or tier in b.tiers:
             return
         b.tiers.add(tier)
-        self._emit(b.topic, b.stored(m))
+        if b.hashes:  # a chunk of less than a block holds no block vLLM names
+            self._emit(b.topic, b.stored(m))
 
     def removed(self, tier: str, key: str) -> None:
         b = self._resident.get(key)
@@ -201,7 +213,8 @@ class BlockBook:
         b.tiers.discard(tier)
         if not b.tiers:
             del self._resident[key]
-        self._emit(b.topic, b.removed(self.media[tier]))
+        if b.hashes:
+            self._emit(b.topic, b.removed(self.media[tier]))
 
     def forgot(self, tier: str, key: str) -> None:
         """``tier`` let go of ``key`` without deleting it (S3's bounded index): no event
@@ -222,6 +235,8 @@ class BlockBook:
         ]
         by_topic: dict[str, list[KVEvent]] = {}
         for b in self._resident.values():
+            if not b.hashes:
+                continue
             evs = by_topic.setdefault(b.topic, [])
             evs.extend(b.stored(self.media[t]) for t in sorted(b.tiers))
         for t, evs in by_topic.items():
