@@ -196,6 +196,9 @@ class KVEventsConfig(_Strict):
     # PUB socket (vLLM's ``endpoint``). Loopback by default, and not vLLM's 5557, which an
     # engine on the same host may hold; ``tcp://*:5567`` serves other hosts.
     endpoint: str = "tcp://127.0.0.1:5567"
+    # Bind the PUB socket at ``endpoint`` (consumers connect: llm-d's pod discovery), or
+    # connect it to a consumer that binds there (llm-d's indexer at a fixed address).
+    bind: bool = True
     # ROUTER socket for replays (vLLM's ``replay_endpoint``); null: no replay.
     replay_endpoint: str | None = "tcp://127.0.0.1:5568"
     # ZMQ topic; {node_id} and {model} (the served model name of the chunk's writer) are

@@ -6,7 +6,8 @@ protocol (vllm/distributed/kv_events.py), so vLLM's subscribers and llm-d's work
 
 Differences, each because the agent is not an engine:
 - Batches are not engine steps: events wait at most ``flush_s`` (or until ``batch_events``
-  have queued), then go as one batch per topic.
+  have queued), then go as one batch per topic, from the loop once the request that
+  emitted them has been answered.
 - A replay from before the oldest buffered batch (a consumer that joined late or fell far
   behind) is answered with a snapshot: ``AllBlocksCleared`` and a ``BlockStored`` per chunk
   per tier, as of the latest published ``seq`` (every page carries that ``seq``), then the
@@ -23,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -54,8 +55,10 @@ class EventPublisher:
         batch_events: int = 512,
         flush_s: float = 0.005,
         data_parallel_rank: int | None = None,
+        bind: bool = True,
     ) -> None:
         self._endpoint = endpoint
+        self._bind_pub = bind
         self._replay_endpoint = replay_endpoint
         self._snapshot = snapshot
         self.metrics = metrics or Metrics()
@@ -64,13 +67,17 @@ class EventPublisher:
         self.batch_events = batch_events
         self.flush_s = flush_s
         self._dp_rank = data_parallel_rank
+        # PUB is a plain socket: a non-blocking send is done when it returns (an asyncio
+        # socket's may queue behind earlier ones). ROUTER waits for requests on the loop.
         self._ctx = zmq.asyncio.Context()
-        self._pub: zmq.asyncio.Socket | None = None
+        self._sync_ctx = zmq.Context()
+        self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
         self._pending: dict[str, list[KVEvent]] = {}
         self._n_pending = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._soon = False  # a flush is scheduled with call_soon
         self.next_seq = 0
         self.endpoint = ""  # as bound (a port of 0 resolved)
         self.replay_address: str | None = None
@@ -78,9 +85,13 @@ class EventPublisher:
 
     async def start(self) -> None:
         """Bind both sockets and publish the snapshot (a fresh start is a full state)."""
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._sync_ctx.socket(zmq.PUB)
         self._pub.set_hwm(self._hwm)
-        self.endpoint = _bind(self._pub, self._endpoint)
+        if self._bind_pub:
+            self.endpoint = _bind(self._pub, self._endpoint)
+        else:  # to a consumer that binds (llm-d's indexer at a fixed address)
+            self._pub.connect(self._endpoint)
+            self.endpoint = self._endpoint
         if self._replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
@@ -94,9 +105,17 @@ class EventPublisher:
         """Queue one event: it goes out with the next flush (within ``flush_s``)."""
         self._pending.setdefault(topic, []).append(event)
         self._n_pending += 1
-        if self._n_pending >= self.batch_events:
-            self.flush()
-        elif self._timer is None and self._pub is not None:
+        if self._n_pending >= 8 * self.batch_events:
+            self.flush()  # the loop has not run a flush for long: bounded all the same
+        elif self._pub is None:
+            return
+        elif self._n_pending >= self.batch_events:
+            # A full batch goes out as soon as the loop is free: after the reply to the
+            # request that emitted it, not in that request's time.
+            if not self._soon:
+                self._soon = True
+                asyncio.get_running_loop().call_soon(self.flush)
+        elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
 
     def flush(self) -> None:
@@ -104,6 +123,7 @@ class EventPublisher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._soon = False
         pending, self._pending, self._n_pending = self._pending, {}, 0
         if self._pub is None:
             return
@@ -121,8 +141,8 @@ class EventPublisher:
             self._pub.send_multipart((t, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         self._buffer.append((seq, t, payload))
         self.metrics.kv_event_batches.inc()
-        for e in events:
-            self.metrics.kv_events.labels(type(e).__name__).inc()
+        for kind, n in Counter(type(e).__name__ for e in events).items():
+            self.metrics.kv_events.labels(kind).inc(n)
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -181,9 +201,10 @@ class EventPublisher:
                 s.close(linger=100)  # the last batches still reach connected subscribers
         self._pub = self._replay = None
         self._ctx.term()
+        self._sync_ctx.term()
 
 
-def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
+def _bind(sock: zmq.Socket[Any], endpoint: str) -> str:
     """Bind ``endpoint``; a TCP port of 0 binds a free one. Returns the bound address."""
     sock.bind(endpoint)
     return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))

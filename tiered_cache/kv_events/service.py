@@ -57,6 +57,7 @@ class KVEvents:
             hwm=cfg.hwm,
             batch_events=cfg.batch_events,
             flush_s=cfg.flush_s,
+            bind=cfg.bind,
         )
 
     def topic(self, model: str) -> str:
