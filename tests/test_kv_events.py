@@ -310,3 +310,90 @@ def test_the_publisher_connects_to_a_consumer_that_binds() -> None:
         ctx.term()
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------- the router's index
+
+
+def _prompt_events(tokens: list[int], salt: str | None = None) -> list[Any]:
+    """What an agent announces for ``tokens``'s two 32-token chunks held in DRAM."""
+    from tiered_cache.kv_events.wire import KVEventBatch
+
+    out: list[tuple[str, KVEvent]] = []
+    held = {"a": ["dram"], "b": ["dram"]}
+    book = BlockBook(tier_media("n", ["dram"]), lambda k: held.get(k, []),
+                     lambda t, e: out.append((t, e)))  # fmt: skip
+    tok = [array("I", tokens[i : i + 32]).tobytes() for i in (0, 32)]
+    extra = [(salt,), None] if salt else None
+    h = 100 if salt else 10  # a salt changes every hash vLLM computes
+    book.describe("a", Blocks([h + 1, h + 2], None, tok[0], BS, extra_keys=extra))
+    book.describe("b", Blocks([h + 3, h + 4], h + 2, tok[1], BS))
+    batch = KVEventBatch(0.0, [e for _, e in out])
+    book.removed("dram", "b")
+    return [batch, KVEventBatch(0.0, [e for _, e in out[len(batch.events):]])]
+
+
+def test_the_index_walks_a_prompt_block_by_block() -> None:
+    from tiered_cache.kv_events.index import BlockIndex
+
+    toks = list(range(100, 170))  # 4 whole blocks of 16 and a tail
+    stored, removed = _prompt_events(toks)
+    ix = BlockIndex()
+    assert ix.cached_blocks(toks) == 0  # knows no block size yet
+    ix.apply("agent-1", stored)
+    assert ix.block_size == BS and ix.cached_blocks(toks) == 4
+    assert ix.cached_blocks(toks[:40]) == 2  # a shorter prompt: its whole blocks
+    assert ix.cached_blocks([7, *toks[1:]]) == 0  # another first block: nothing
+    assert ix.cached_blocks(toks, salt="s") == 0  # another tenant's salt: nothing
+    ix.apply("agent-1", removed)  # chunk b evicted: the walk stops before it
+    assert ix.cached_blocks(toks) == 2
+    salted, _ = _prompt_events(toks, salt="s")
+    ix.apply("agent-2", salted)
+    assert ix.cached_blocks(toks, salt="s") == 4 and ix.cached_blocks(toks) == 2
+    ix.clear("agent-1")  # one publisher's AllBlocksCleared leaves the other's blocks
+    assert ix.cached_blocks(toks) == 0 and ix.cached_blocks(toks, salt="s") == 4
+
+
+def test_the_router_index_follows_a_real_agent(tmp_path: Path) -> None:
+    from tiered_cache.kv_events.index import BlockIndex, EventSubscriber
+
+    cfg, pub, rep = _cfg(tmp_path)
+    proc = start_agent(cfg)
+    client = AgentClient(socket_of(cfg))
+    toks = list(range(1000, 1000 + 64))
+    keys = [_key(0), _key(1)]
+    d = _describe(keys)  # chunk i: blocks 1000i, 1000i+1 of tokens 32i ..: re-token them
+    d = Describe(keys, [[1, 2], [3, 4]], [None, 2],
+                 [array("I", toks[:32]).tobytes(), array("I", toks[32:]).tobytes()], BS)
+    client.describe(d)
+    client.put_many([(meta(k), payload(i)) for i, k in enumerate(keys)], wait=True)
+
+    async def main() -> None:
+        ix = BlockIndex()
+        sub = EventSubscriber(ix, pub, rep)
+        sub.start()  # joins late: catches up by replay
+        for _ in range(200):
+            if ix.cached_blocks(toks) == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert ix.cached_blocks(toks) == 4
+        await asyncio.to_thread(client.admin, "evict", key=keys[0])
+        for _ in range(200):  # the removal arrives on the stream
+            if ix.cached_blocks(toks) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert ix.cached_blocks(toks) == 0 and len(ix) == 2
+        await sub.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_the_router_refuses_events_lookup_without_a_stream(tmp_path: Path) -> None:
+    cfg = write_cfg(tmp_path, router={"lookup": "events"})
+    r = cli("router", "-c", str(cfg), "--prefill", "http://a:1", "--decode", "http://b:2")
+    assert r.returncode != 0 and "kv_event_sources" in r.stderr

@@ -56,6 +56,7 @@ from tiered_cache.keys import (
     partial_keys,
     probe_lengths,
 )
+from tiered_cache.kv_events.index import BlockIndex, EventSubscriber
 from tiered_cache.protocol import Models
 from tiered_cache.router_replies import (
     RETRY_STATUS,
@@ -198,6 +199,7 @@ class Router:
         prefill_tokens_per_s: float = 4000.0,
         handoff_s: float = 0.2,
         decode_step_s: float = 0.03,
+        kv_event_sources: Sequence[tuple[str, str | None]] = (),
     ) -> None:
         if split not in SPLIT_MODES:
             raise ValueError(f"split must be one of {', '.join(SPLIT_MODES)}, got {split!r}")
@@ -241,6 +243,14 @@ class Router:
             clock=clock,
         )
         self.clock = clock
+        # ``lookup: events``: the cached prefix from the agents' KV event streams (PUB,
+        # replay endpoints), instead of a lookup round trip per request.
+        self.kv_index: BlockIndex | None = BlockIndex() if kv_event_sources else None
+        self._kv_subs = [
+            EventSubscriber(self.kv_index, pub, rep)
+            for pub, rep in kv_event_sources
+            if self.kv_index is not None
+        ]
 
     # ---------------------------------------------------------------- app
 
@@ -259,8 +269,12 @@ class Router:
     async def _startup(self, _: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
         self._health_task = asyncio.ensure_future(self._health_loop())
+        for sub in self._kv_subs:
+            sub.start()
 
     async def _cleanup(self, _: web.Application) -> None:
+        for sub in self._kv_subs:
+            await sub.close()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -343,6 +357,11 @@ class Router:
                     "decode_step_s": round(self.step_s.value, 4),
                 },
                 "per_backend": self.stats.per_backend,
+                "kv_events": None if self.kv_index is None else {
+                    "blocks": len(self.kv_index),
+                    "block_size": self.kv_index.block_size,
+                    "batches": sum(sub.batches for sub in self._kv_subs),
+                },
                 "backends": [
                     {
                         "url": b.url,
@@ -432,7 +451,12 @@ class Router:
         salt = body.get("cache_salt")
         keys = chunk_keys(toks[:-1], fp, cache_salt=salt)
         info = PromptInfo(len(toks), keys, fp.chunk_size)
-        if self._cache_guard.allow():
+        index = self.kv_index
+        if index is not None and index.block_size:  # caught up with some stream
+            t1 = time.perf_counter()
+            info.cached = min(len(toks) - 1, index.cached_blocks(toks, salt) * index.block_size)
+            self._phase("lookup", time.perf_counter() - t1)
+        elif self._cache_guard.allow():
             t1 = time.perf_counter()
             info.cached = await asyncio.to_thread(self._cached_tokens, toks, fp, salt, keys)
             self._phase("lookup", time.perf_counter() - t1)

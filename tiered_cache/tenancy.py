@@ -75,6 +75,13 @@ class TenantSpec(_Strict):
         return self
 
 
+class KVEventSource(_Strict):
+    """One agent's KV event stream (its ``kv_events`` endpoints), for ``lookup: events``."""
+
+    endpoint: str = Field(pattern=r"^(tcp|ipc|inproc)://.+")
+    replay_endpoint: str | None = Field(default=None, pattern=r"^(tcp|ipc|inproc)://.+")
+
+
 class RouterConfig(_Strict):
     # With tenants, every request needs ``Authorization: Bearer <api_key>`` and is served
     # with its tenant's salt; without, requests pass as they are.
@@ -96,6 +103,12 @@ class RouterConfig(_Strict):
     prefill_tokens_per_s: float = Field(default=4000.0, gt=0)
     handoff_s: float = Field(default=0.2, ge=0)
     decode_step_s: float = Field(default=0.03, ge=0)
+    # Where the cached prefix of a prompt comes from: ``agent``, a lookup (and partial
+    # probe) per request, to the token; ``events``, the agents' KV event streams, kept in
+    # the router's memory: no round trip, block granularity (docs/operations.md).
+    lookup: Literal["agent", "events"] = "agent"
+    # The streams for ``events``; empty: this config's own ``kv_events`` endpoints.
+    kv_event_sources: list[KVEventSource] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique(self) -> RouterConfig:

@@ -104,6 +104,11 @@ def dashboard(
     serve(dash, host, port)
 
 
+def _reachable(endpoint: str) -> str:
+    """A bound wildcard endpoint as a local subscriber connects to it."""
+    return endpoint.replace("://*:", "://127.0.0.1:").replace("://0.0.0.0:", "://127.0.0.1:")
+
+
 @click.command()
 @click.option("--prefill", "prefill", multiple=True, help="Prefill server URL (repeat).")
 @click.option("--decode", "decode", multiple=True, help="Decode server URL (repeat).")
@@ -154,6 +159,7 @@ def router(
     cache = None
     tenants = []
     kw: dict[str, Any] = {}
+    sources: list[tuple[str, str | None]] = []
     if config:
         from tiered_cache.client import connect
 
@@ -162,20 +168,41 @@ def router(
         if tenants:
             names = ", ".join(t.name for t in tenants)
             click.echo(f"tenants: {names} (API keys required)", err=True)
-        cache = connect(cfg, embedded="never", attach_pool=False)
+        if cfg.router.lookup == "events":  # the cached prefix from KV event streams
+            srcs = [(x.endpoint, x.replay_endpoint) for x in cfg.router.kv_event_sources]
+            if not srcs:  # this node's agent's own stream
+                if not cfg.kv_events.enabled:
+                    raise CliError(
+                        "router.lookup: events needs router.kv_event_sources, or"
+                        " kv_events.enabled in this config (its agent's stream)"
+                    )
+                ev = cfg.kv_events
+                srcs = [
+                    (_reachable(ev.endpoint), ev.replay_endpoint and _reachable(ev.replay_endpoint))
+                ]
+            sources = srcs
+        try:
+            cache = connect(cfg, embedded="never", attach_pool=False)
+        except OSError as e:
+            raise CliError(
+                f"no node agent answers at {cfg.socket_path} ({e.strerror or e}): start"
+                f" `tiered-cache agent -c {config}` first, or leave out -c"
+            ) from None
         rc = cfg.router
         kw = {
             "max_local_prefill_tokens": rc.max_local_prefill_tokens, "split": rc.split,
             "prefill_tokens_per_s": rc.prefill_tokens_per_s, "handoff_s": rc.handoff_s,
             "decode_step_s": rc.decode_step_s,
         }  # fmt: skip
+        if sources:
+            kw["kv_event_sources"] = sources
     if replica:
         prefill, decode = (), replica
         kw["split"] = "whole"
     run_router(
         prefill, decode, host, port, cache=cache, tenants=tenants, round_robin=round_robin,
         **kw,
-    )
+    )  # fmt: skip
 
 
 @click.command()
