@@ -216,6 +216,12 @@ class Deployment:
                     out[f"router_fallbacks:{reason}"] = float(n)
                 for kind, n in st.get("decisions", {}).items():
                     out[f"router_decisions:{kind}"] = float(n)
+                # The router's lookup phase: an agent round trip, or its KV event index.
+                for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+                    if line.startswith("tiered_cache_router_phase_seconds_") and \
+                            'phase="lookup"' in line and ("_sum{" in line or "_count{" in line):
+                        out["router_lookup:" + ("sum" if "_sum{" in line else "count")] = \
+                            float(line.rsplit(" ", 1)[1])  # fmt: skip
         return out
 
     def stop(self) -> None:
@@ -270,6 +276,13 @@ class Bench:
             router["max_local_prefill_tokens"] = self.a.max_local_prefill_tokens
         if split is not None:
             router["split"] = split
+        if self.a.router_lookup == "events":  # the router follows the agent's KV events
+            cfg["kv_events"] = {
+                "enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                "state_path": str(self.work / f"{name}.kvevents"),
+            }  # fmt: skip
+            router["lookup"] = "events"
         if router:
             cfg["router"] = router
         path = self.work / f"{name}.yaml"
@@ -427,6 +440,9 @@ def run_load(
         "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits_total", 0.0),
         "hit_tokens_by_tier": tiers, "fallbacks": reasons, "router_fallbacks": routed,
         "router_decisions": decided,
+        "router_lookup_ms_mean": (1e3 * delta.get("router_lookup:sum", 0.0)
+                                  / delta["router_lookup:count"])
+        if delta.get("router_lookup:count") else None,
         # Where a deployment's time goes besides compute: requests evicted mid-run for
         # want of KV blocks, and seconds requests waited in vLLM's queue.
         "preemptions": total("vllm:num_preemptions_total")
@@ -490,6 +506,9 @@ def main() -> None:
     ap.add_argument("--max-local-prefill-tokens", type=int, default=None,
                     help="P/D router: at most this many uncached tokens let a prompt skip "
                     "prefill (default: fewer than a chunk; 0: every prompt is prefilled)")
+    ap.add_argument("--router-lookup", choices=("agent", "events"), default="agent",
+                    help="P/D and replica routers: the cached prefix from an agent lookup per "
+                    "request, or from the agent's KV events (router.lookup)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "serve")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
