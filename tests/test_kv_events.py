@@ -103,6 +103,13 @@ def test_the_view_follows_puts_demotions_evictions_and_a_clear(tmp_path: Path) -
         client.describe(Describe(bad.keys, bad.hashes, bad.parents, [b"\0" * 12], BS))
         assert client.admin("stats")["node_id"] == node
         c.follow(lambda: _settled(c, cfg))
+        # What an operator sees: the history from seq 0, a JSON line per event.
+        r = cli("events", "-c", str(cfg), "--from-start", "--json", "--timeout", "0.5")
+        assert r.returncode == 0, r.stderr
+        shown = [json.loads(line) for line in r.stdout.splitlines()]
+        kinds = [e["type"] for e in shown]
+        assert kinds[0] == "AllBlocksCleared" and "BlockRemoved" in kinds
+        assert kinds.count("BlockStored") == sum(1 for e in c.stored_events)
     finally:
         client.close()
         c.close()

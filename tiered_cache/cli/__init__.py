@@ -10,6 +10,7 @@ import logging
 
 import click
 
+from tiered_cache.cli.events import events
 from tiered_cache.cli.ops import evict, flush, ls_cmd, models_cmd, nodes, stats
 from tiered_cache.cli.pins import pin
 from tiered_cache.cli.services import agent, dashboard, router, simulate
@@ -45,5 +46,6 @@ for _cmd in (
     dashboard,
     router,
     simulate,
+    events,
 ):
     main.add_command(_cmd)

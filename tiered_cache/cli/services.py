@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from tiered_cache.cli.common import CliError, _cfg_opt, _load, friendly
+from tiered_cache.cli.events import _reachable
 
 
 @click.command()
@@ -102,11 +103,6 @@ def dashboard(
     )
     click.echo(f"dashboard on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
     serve(dash, host, port)
-
-
-def _reachable(endpoint: str) -> str:
-    """A bound wildcard endpoint as a local subscriber connects to it."""
-    return endpoint.replace("://*:", "://127.0.0.1:").replace("://0.0.0.0:", "://127.0.0.1:")
 
 
 @click.command()
