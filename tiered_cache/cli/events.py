@@ -76,9 +76,15 @@ def events(
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    try:
+        sub.connect(endpoint)
+    except zmq.ZMQError as e:
+        sub.close(linger=0)
+        ctx.term()
+        raise CliError(f"bad endpoint {endpoint!r} ({e.strerror}): e.g. tcp://host:5567") from None
     shown = 0
     last = -1
+    socks = [sub]  # all closed before the context ends (term() waits for open ones)
 
     def emit(seq: int, payload: bytes) -> bool:
         nonlocal shown, last
@@ -93,7 +99,11 @@ def events(
     try:
         if from_start and replay is not None:
             req = ctx.socket(zmq.DEALER)
-            req.connect(replay)
+            socks.append(req)
+            try:
+                req.connect(replay)
+            except zmq.ZMQError as e:
+                raise CliError(f"bad replay endpoint {replay!r} ({e.strerror})") from None
             req.send_multipart((b"", (0).to_bytes(8, "big")))
             while True:
                 if not req.poll(10_000):
@@ -103,7 +113,6 @@ def events(
                     break
                 if not emit(int.from_bytes(frames[2], "big"), frames[3]):
                     return
-            req.close(linger=0)
         idle_since = time.monotonic()
         while True:
             if not sub.poll(200):
@@ -120,5 +129,6 @@ def events(
     except KeyboardInterrupt:
         pass
     finally:
-        sub.close(linger=0)
+        for sock in socks:
+            sock.close(linger=0)
         ctx.term()
