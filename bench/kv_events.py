@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,16 @@ def _subscriber(endpoint: str, want: int, ready: Any, done: Any) -> None:
     vLLM's classes when importable, else ours."""
     import zmq
 
+    decode: Callable[[bytes], Any]
     try:
         import msgspec
         from vllm.distributed.kv_events import KVEventBatch
 
         decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
     except ImportError:
-        from tiered_cache.kv_events.wire import decode_batch as decode
+        from tiered_cache.kv_events.wire import decode_batch
+
+        decode = decode_batch
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
