@@ -26,8 +26,8 @@ def describe_chunks(
     vLLM hashes blocks of another size than the KV cache's (hybrid models)."""
     hashes = request.block_hashes
     tokens = request.all_token_ids
-    if len(hashes) > -(-len(tokens) // block_size):
-        return None  # finer hash blocks than KV blocks: not one hash per block
+    if len(hashes) != len(tokens) // block_size:
+        return None  # hash blocks of another size than KV blocks: not one hash per block
     keys: list[str] = []
     hs: list[list[int | bytes]] = []
     parents: list[int | bytes | None] = []

@@ -637,6 +637,10 @@ class SchedulerSide(ConnectorBase):
         store = self._store
         if st.request is None or not chunks or store is None or not store.takes_descriptions:
             return
+        if self._tp_world > 1:
+            # Each rank stores its own shard under its own key: an event for rank 0's
+            # would say a block is held while another rank's shard may be gone.
+            return
         desc = describe_chunks(st.request, chunks, self._block_size, self._model_name)
         if desc is not None:
             self._guarded("describe", lambda s: s.describe(desc), None)

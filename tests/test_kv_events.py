@@ -238,7 +238,9 @@ def test_the_book_announces_once_held_and_removes_only_what_it_announced() -> No
     book.removed("nvme", "b")
     book.removed("nvme", "b")
     assert [type(e).__name__ for _, e in out].count("BlockRemoved") == 1
-    book.forgot("s3", "b")  # S3's index let go: no event, no memory
+    n = len(out)
+    book.forgot("s3", "b")  # S3's index let go: announced gone, memory given back
+    assert [type(e).__name__ for _, e in out[n:]] == ["BlockRemoved"]
     assert book.hashes("b") is None
     for k in "cde":  # pending descriptions are bounded
         book.describe(k, _blocks(3))
@@ -390,7 +392,31 @@ def test_the_router_index_follows_a_real_agent(tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.05)
         assert ix.cached_blocks(toks) == 0 and len(ix) == 2
+        await asyncio.to_thread(put_again)
+        await until(lambda: ix.cached_blocks(toks) == 4)
+        # The agent restarts (its sequence numbers start over; DRAM is kept), then evicts:
+        # the index follows the new run, not only the old one's numbering.
+        await asyncio.to_thread(restart)
+        await asyncio.to_thread(lambda: AgentClient(socket_of(cfg)).admin("evict", key=keys[1]))
+        await until(lambda: ix.cached_blocks(toks) == 2)
         await sub.close()
+
+    async def until(cond: Any) -> None:
+        for _ in range(300):
+            if cond():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the index never caught up")
+
+    def put_again() -> None:
+        client.describe(d)
+        client.put_many([(meta(keys[0]), payload(0))], wait=True)
+
+    def restart() -> None:
+        nonlocal proc
+        client.close()
+        Output(proc).stop()
+        proc = start_agent(cfg)
 
     try:
         asyncio.run(main())

@@ -454,7 +454,8 @@ class Router:
         index = self.kv_index
         if index is not None and index.block_size:  # caught up with some stream
             t1 = time.perf_counter()
-            info.cached = min(len(toks) - 1, index.cached_blocks(toks, salt) * index.block_size)
+            blocks = index.cached_blocks(toks, salt, str(body.get("model") or ""))
+            info.cached = min(len(toks) - 1, blocks * index.block_size)
             self._phase("lookup", time.perf_counter() - t1)
         elif self._cache_guard.allow():
             t1 = time.perf_counter()

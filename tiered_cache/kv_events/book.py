@@ -36,6 +36,7 @@ from tiered_cache.kv_events.wire import (
 )
 
 MAX_BLOCKS_PER_CHUNK = 4096  # a description naming more is refused (a chunk is <= 64 Ki tokens)
+MAX_BLOCK_SIZE = 4096  # tokens per vLLM block, at most
 TOKEN_BYTES = 4  # token ids travel as uint32, little endian
 
 
@@ -83,8 +84,8 @@ class Blocks:
         n = len(self.hashes)
         if n > MAX_BLOCKS_PER_CHUNK:
             raise DescriptionError(f"a chunk of {n} blocks (at most {MAX_BLOCKS_PER_CHUNK})")
-        if self.block_size < 1:
-            raise DescriptionError(f"block_size {self.block_size}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise DescriptionError(f"block_size {self.block_size} (1 to {MAX_BLOCK_SIZE})")
         if len(self.tokens) != n * self.block_size * TOKEN_BYTES:
             raise DescriptionError(
                 f"{len(self.tokens)} token bytes for {n} blocks of {self.block_size} tokens"
@@ -108,6 +109,7 @@ class Blocks:
             medium=m.medium,
             lora_name=self.lora_name,
             extra_keys=extra,
+            group_idx=0,  # one KV cache group (vLLM's GPU events say 0 too)
             locality=m.locality,
             ownership=m.ownership,
         )
@@ -116,6 +118,7 @@ class Blocks:
         return BlockRemoved(
             block_hashes=list(self.hashes),
             medium=m.medium,
+            group_idx=0,
             locality=m.locality,
             ownership=m.ownership,
         )
@@ -217,13 +220,11 @@ class BlockBook:
             self._emit(b.topic, b.removed(self.media[tier]))
 
     def forgot(self, tier: str, key: str) -> None:
-        """``tier`` let go of ``key`` without deleting it (S3's bounded index): no event
-        (the copy lives on), only the memory is given back."""
-        b = self._resident.get(key)
-        if b is not None:
-            b.tiers.discard(tier)
-            if not b.tiers:
-                del self._resident[key]
+        """``tier`` stopped tracking ``key`` (S3's bounded index let go, or found the
+        object deleted by someone else): announced as a removal. The object may live on,
+        but nothing here would announce its deletion, and a consumer counting copies
+        must not keep one nobody tracks."""
+        self.removed(tier, key)
 
     def snapshot(
         self, topics: Iterable[str] = ("",), page: int = 1000

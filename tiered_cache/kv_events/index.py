@@ -34,7 +34,14 @@ from tiered_cache.kv_events.wire import (
 
 log = logging.getLogger("tiered_cache.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_Key = tuple[BlockHash | None, int, Any]
+_Key = tuple[str, BlockHash | None, int, Any]  # (model, parent, tokens' hash, extra keys)
+
+
+def model_of_topic(topic: bytes) -> str:
+    """The model a topic names in llm-d's convention, ``kv@<pod>@<model>``; "" otherwise
+    (the publisher serves one model, or does not say)."""
+    parts = topic.decode(errors="replace").split("@", 2)
+    return parts[2] if len(parts) == 3 and parts[0] == "kv" else ""
 
 
 def _tokens_hash(tokens: Sequence[int]) -> int:
@@ -54,17 +61,19 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._where)
 
-    def apply(self, source: str, batch: KVEventBatch) -> None:
+    def apply(self, source: str, batch: KVEventBatch, model: str = "") -> None:
+        """Take one batch from ``source``; ``model``: the model its topic names ("": any).
+        vLLM's hashes do not name the model: the same tokens hash alike in every one."""
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self._stored(source, ev)
+                self._stored(source, ev, model)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
                     self._drop(h, (source, str(ev.ownership)))
             elif isinstance(ev, AllBlocksCleared):
                 self.clear(source)
 
-    def _stored(self, source: str, ev: BlockStored) -> None:
+    def _stored(self, source: str, ev: BlockStored, model: str) -> None:
         bs = ev.block_size
         if bs <= 0 or len(ev.token_ids) < bs * len(ev.block_hashes):
             return  # a placeholder (vLLM's for shapes it cannot describe): not joinable
@@ -73,7 +82,7 @@ class BlockIndex:
         where = (source, str(ev.ownership))
         for j, h in enumerate(ev.block_hashes):
             extra = ev.extra_keys[j] if ev.extra_keys else None
-            key: _Key = (parent, _tokens_hash(ev.token_ids[j * bs : (j + 1) * bs]),
+            key: _Key = (model, parent, _tokens_hash(ev.token_ids[j * bs : (j + 1) * bs]),
                          tuple(extra) if extra else None)  # fmt: skip
             self._child[key] = h
             self._key_of[h] = key
@@ -99,8 +108,13 @@ class BlockIndex:
                 self._where[h][w] = 1
                 self._drop(h, w)
 
-    def cached_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
-        """How many leading full blocks of ``tokens`` some tier holds."""
+    def cached_blocks(self, tokens: Sequence[int], salt: str | None = None, model: str = "") -> int:
+        """How many leading full blocks of ``tokens`` some tier holds: of ``model``'s, or of
+        publishers that name no model."""
+        n = self._walk(tokens, salt, model)
+        return max(n, self._walk(tokens, salt, "")) if model else n
+
+    def _walk(self, tokens: Sequence[int], salt: str | None, model: str) -> int:
         bs = self.block_size
         if bs <= 0:
             return 0
@@ -108,7 +122,9 @@ class BlockIndex:
         n = 0
         for j in range(len(tokens) // bs):
             extra = (salt,) if j == 0 and salt else None
-            h = self._child.get((parent, _tokens_hash(tokens[j * bs : (j + 1) * bs]), extra))
+            h = self._child.get(
+                (model, parent, _tokens_hash(tokens[j * bs : (j + 1) * bs]), extra)
+            )
             if h is None or h not in self._where:
                 break
             parent = h
@@ -135,31 +151,58 @@ class EventSubscriber:
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
+        backoff = 0.5
+        while True:  # a failure restarts the subscription (the index stays meanwhile)
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("KV event subscription to %s failed; again in %.1f s",
+                              self.endpoint, backoff)  # fmt: skip
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    async def _follow(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # Each (re)connection starts with a replay from 0: after an agent restart its
+        # numbering starts over and its start snapshot may have gone out while this
+        # socket was away, so what came before says nothing about the new run.
+        mon = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(self.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         try:
-            await self._replay(0)
             while True:
-                _, seq_b, payload = await sub.recv_multipart()
-                seq = int.from_bytes(seq_b, "big")
-                if seq <= self.last_seq:
+                ready = dict(await poller.poll())
+                if mon in ready:
+                    await mon.recv_multipart()
+                    self.last_seq = -1
+                    await self._replay(0)
+                if sub not in ready:
                     continue
+                topic, seq_b, payload = await sub.recv_multipart()
+                seq = int.from_bytes(seq_b, "big")
+                if seq < self.last_seq - 1 and seq <= 1:  # numbering started over
+                    self.last_seq = -1
+                    await self._replay(0)
+                if seq <= self.last_seq:
+                    continue  # had it by replay
                 if seq > self.last_seq + 1:
                     await self._replay(self.last_seq + 1)
                     if seq <= self.last_seq:
                         continue
-                self._apply(seq, payload)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("KV event subscription to %s ended", self.endpoint)
+                self._apply(seq, payload, topic)
         finally:
+            sub.disable_monitor()
+            mon.close(linger=0)
             sub.close(linger=0)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _apply(self, seq: int, payload: bytes, topic: bytes = b"") -> None:
         try:
-            self.index.apply(self.source, decode_batch(payload))
+            self.index.apply(self.source, decode_batch(payload), model_of_topic(topic))
         except Exception as e:  # a batch we cannot read: skipped, the rest still counts
             log.warning("undecodable KV event batch %d from %s: %r", seq, self.endpoint, e)
         self.last_seq = max(self.last_seq, seq)
@@ -176,7 +219,7 @@ class EventSubscriber:
                 frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
                 if len(frames) != 4 or frames[2] == END_SEQ:
                     return
-                self._apply(int.from_bytes(frames[2], "big"), frames[3])
+                self._apply(int.from_bytes(frames[2], "big"), frames[3], frames[1])
         except asyncio.TimeoutError:
             log.warning("KV event replay from %s timed out", self.replay_endpoint)
         finally:

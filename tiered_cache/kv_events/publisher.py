@@ -78,6 +78,7 @@ class EventPublisher:
         self._n_pending = 0
         self._timer: asyncio.TimerHandle | None = None
         self._soon = False  # a flush is scheduled with call_soon
+        self._snap: tuple[int, list[tuple[bytes, bytes]]] | None = None  # (seq, pages)
         self.next_seq = 0
         self.endpoint = ""  # as bound (a port of 0 resolved)
         self.replay_address: str | None = None
@@ -95,8 +96,14 @@ class EventPublisher:
         if self._replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+            # A reply is as long as the buffer or a snapshot: past the default high-water
+            # mark ROUTER would drop the rest, end marker included, without a word.
+            # Mandatory: a send waits for room, or fails for a consumer that left.
+            self._replay.setsockopt(zmq.SNDHWM, 0)
+            self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self.replay_address = _bind(self._replay, self._replay_endpoint)
             self._replay_task = asyncio.ensure_future(self._serve_replay())
+        self._pending, self._n_pending = {}, 0  # the snapshot covers them
         for topic, events in self._snapshot():
             self._send(topic, events)
         log.info("KV events on %s (replay %s)", self.endpoint, self.replay_address)
@@ -170,15 +177,20 @@ class EventPublisher:
         client, start = frames[0], int.from_bytes(frames[2], "big")
         self.flush()  # everything emitted so far is in the buffer
         oldest = self._buffer[0][0] if self._buffer else self.next_seq
-        if start < oldest:
+        # Older than the buffer (joined late, fell behind), or newer than anything sent (a
+        # consumer of this agent's previous run): the whole state instead.
+        if start < oldest or start > self.next_seq:
             self.metrics.kv_event_replays.labels("snapshot").inc()
-            seq = max(self.next_seq - 1, 0).to_bytes(8, "big")
-            # Built and sent without yielding to the loop: no event can slip in between.
-            msgs = [
-                (client, b"", topic.encode(), seq,
-                 encode_batch(KVEventBatch(time.time(), events, self._dp_rank)))
-                for topic, events in self._snapshot()
-            ]  # fmt: skip
+            seq = max(self.next_seq - 1, 0)
+            if self._snap is None or self._snap[0] != seq:
+                # Built without yielding to the loop: no event can slip in between. Kept
+                # until the next batch: consumers asking together cost one build.
+                self._snap = (seq, [
+                    (topic.encode(), encode_batch(KVEventBatch(time.time(), events, self._dp_rank)))
+                    for topic, events in self._snapshot()
+                ])  # fmt: skip
+            sb = seq.to_bytes(8, "big")
+            msgs = [(client, b"", t, sb, payload) for t, payload in self._snap[1]]
         else:
             self.metrics.kv_event_replays.labels("replayed").inc()
             msgs = [
@@ -186,9 +198,12 @@ class EventPublisher:
                 for s, t, payload in list(self._buffer)
                 if s >= start
             ]
-        for m in msgs:
-            await sock.send_multipart(m)
-        await sock.send_multipart((client, b"", b"", END_SEQ, b""))
+        try:
+            for m in msgs:
+                await sock.send_multipart(m)
+            await sock.send_multipart((client, b"", b"", END_SEQ, b""))
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the consumer left mid-reply
+            log.debug("replay to a consumer that left: %s", e)
 
     async def close(self) -> None:
         self.flush()

@@ -79,6 +79,7 @@ class KVEvents:
 
     def forgot(self, tier: str, key: str) -> None:
         self.book.forgot(tier, key)
+        self.metrics.kv_event_descriptions.set(len(self.book))
 
     # ------------------------------------------------------------ connectors
 

@@ -479,6 +479,8 @@ class S3Tier(Tier):
         if data is None:
             if self._index.pop(key, None) is not None:  # deleted by someone else
                 self._recount()
+                if self.on_forget is not None:
+                    self.on_forget(key)
             return None
         if key in self._index:
             self._index.move_to_end(key)
