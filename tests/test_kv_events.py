@@ -101,7 +101,10 @@ def test_the_view_follows_puts_demotions_evictions_and_a_clear(tmp_path: Path) -
         # A description that does not add up is refused; nothing else changes.
         bad = _describe([keys[0]])
         client.describe(Describe(bad.keys, bad.hashes, bad.parents, [b"\0" * 12], BS))
-        assert client.admin("stats")["node_id"] == node
+        st = client.admin("stats")
+        assert st["metrics"]["tiered_cache_kv_event_descriptions_refused_total"] == 1
+        assert st["kv_events"]["descriptions"] == len(_ls(cfg))  # DRAM only now: one each
+        assert st["kv_events"]["endpoint"] == pub
         c.follow(lambda: _settled(c, cfg))
         # What an operator sees: the history from seq 0, a JSON line per event.
         r = cli("events", "-c", str(cfg), "--from-start", "--json", "--timeout", "0.5")

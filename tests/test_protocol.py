@@ -27,6 +27,10 @@ SAMPLE: dict[type, typing.Any] = {
     str: "x",
     bytes: b"\x01",
     dict[str, typing.Any]: {"a": 1},
+    list[list[int | bytes]]: [[1, b"\x02"]],
+    list[int | bytes | None]: [None],
+    list[bytes]: [b"\x00" * 4],
+    list[list[typing.Any] | None]: [["s"], None],
 }
 
 

@@ -180,9 +180,6 @@ class Metrics:
             "snapshot, older than the buffer: the whole state; refused, malformed)",
             ["result"], registry=r,
         )
-        self.kv_event_descriptions = Gauge(
-            p + "kv_event_descriptions", "Chunks whose vLLM blocks the agent knows", registry=r
-        )
         self.kv_event_descriptions_refused = Counter(
             p + "kv_event_descriptions_refused",
             "Chunk descriptions refused as inconsistent (wrong token count, too many blocks)",

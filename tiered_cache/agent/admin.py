@@ -106,6 +106,13 @@ class AdminOps(AgentState):
             "pool": top.accounting() if isinstance(top, DRAMTier) else None,
             "tenants": {t: book.usage(t) for t in book.tenants()},
             "aliases": len(self.store.aliases),  # block-aligned prefixes kept (``present``)
+            # KV events: where they go, how far the numbering is, chunks described.
+            "kv_events": None if self.kv_events is None else {
+                "endpoint": self.kv_events.publisher.endpoint,
+                "replay_endpoint": self.kv_events.publisher.replay_address,
+                "next_seq": self.kv_events.publisher.next_seq,
+                "descriptions": len(self.kv_events.book),
+            },
         }
 
     async def _pin_add(self, conn: _Conn, req: PinAdd) -> dict[str, Any]:

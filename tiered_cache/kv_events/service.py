@@ -75,11 +75,9 @@ class KVEvents:
     def removed(self, tier: str, keys: list[str]) -> None:
         for k in keys:
             self.book.removed(tier, k)
-        self.metrics.kv_event_descriptions.set(len(self.book))
 
     def forgot(self, tier: str, key: str) -> None:
         self.book.forgot(tier, key)
-        self.metrics.kv_event_descriptions.set(len(self.book))
 
     # ------------------------------------------------------------ connectors
 
@@ -105,7 +103,6 @@ class KVEvents:
                 log.debug("refused the description of %s: %s", key, e)
         if refused:
             self.metrics.kv_event_descriptions_refused.inc(refused)
-        self.metrics.kv_event_descriptions.set(len(self.book))
         return refused
 
     # ------------------------------------------------------------ lifecycle
@@ -116,7 +113,6 @@ class KVEvents:
         if saved:
             n = self.book.restore(saved)
             log.info("KV events: %d chunk descriptions kept from the last run", n)
-        self.metrics.kv_event_descriptions.set(len(self.book))
         await self.publisher.start()
 
     async def close(self) -> None:
