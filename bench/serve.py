@@ -73,6 +73,14 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tiered_cache.plan.workloads import (
+    Request,
+    bench_workload,
+    fresh_chat,
+    jsonl_workload,
+    unique_prefix_tokens,
+)
+from tiered_cache.plan.workloads import tokens as _tokens
 from tiered_cache.tools.vllm_launch import (
     REPO,
     VllmServer,
@@ -88,107 +96,10 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.js
 SERVED = "bench"
 CHUNK = 256
 BLOCK = 32  # vLLM's CPU attention wants multiples of 32 for 64-dim heads
-VOCAB = (6, 500)  # token ids the random prompts use (ids < 6 are special)
 
 
 def say(msg: str) -> None:
     print(f"[serve] {msg}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------ workloads
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    output_len: int
-    kind: str = ""  # "long"/"short" in the mixed workload
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*VOCAB) for _ in range(n)]
-
-
-def chat_workload(n: int, seed: int, users: int = 12, systems: int = 6,
-                  system_tokens: int = 800, answer_tokens: int = 32) -> list[Request]:
-    """Growing conversations over shared system prompts, users taking turns at random."""
-    rng = random.Random(seed)
-    sys_prompts = [_tokens(rng, system_tokens) for _ in range(systems)]
-    convs = [list(sys_prompts[u % systems]) for u in range(users)]
-    out: list[Request] = []
-    while len(out) < n:
-        u = rng.randrange(users)
-        convs[u] += _tokens(rng, rng.randrange(40, 120))  # the user's new question
-        out.append(Request(list(convs[u]), answer_tokens))
-        convs[u] += _tokens(rng, answer_tokens)  # the answer, as the next turn sees it
-    return out
-
-
-def trace_workload(
-    path: Path, n: int, block_tokens: int, max_output: int, max_len: int
-) -> list[Request]:
-    """The first ``n`` requests of a Mooncake-format trace. Each ``hash_id`` becomes a
-    deterministic block of ``block_tokens`` tokens (seeded by the id), so equal ids are
-    equal prefixes; lengths are scaled from the trace's 512-token blocks, and prompts
-    longer than the model takes are cut (their prefix structure stays)."""
-    out: list[Request] = []
-    blocks: dict[int, list[int]] = {}
-    with open(path) as f:
-        for line in f:
-            if len(out) >= n:
-                break
-            rec = json.loads(line)
-            ids = list(rec["hash_ids"])
-            want = max(1, round(rec["input_length"] * block_tokens / 512))
-            toks: list[int] = []
-            for h in ids:
-                if h not in blocks:
-                    blocks[h] = _tokens(random.Random(h * 7919 + 1), block_tokens)
-                toks += blocks[h]
-            out_len = max(1, min(max_output, rec["output_length"]))
-            out.append(Request(toks[: min(want, max_len - out_len - 16)], out_len))
-    return out
-
-
-def mixed_workload(n: int, seed: int, long_tokens: int = 1400, short_tokens: int = 64,
-                   short_output: int = 48) -> list[Request]:
-    """One long unique prompt (a short answer) for every two short prompts (a longer
-    answer): the long prefills land in the middle of the short requests' decoding."""
-    rng = random.Random(seed)
-    out: list[Request] = []
-    for i in range(n):
-        if i % 3 == 0:
-            out.append(Request(_tokens(rng, long_tokens), 4, "long"))
-        else:
-            out.append(Request(_tokens(rng, short_tokens), short_output, "short"))
-    return out
-
-
-def jsonl_workload(path: Path, n: int, tokenizer: Any) -> list[Request]:
-    out: list[Request] = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if len(out) >= n:
-                break
-            try:
-                rec = json.loads(line)
-                p = rec["prompt"]
-                toks = list(p) if isinstance(p, list) else tokenizer.encode(p)
-                out.append(Request([int(t) for t in toks], int(rec.get("output_len", 32))))
-            except (ValueError, KeyError, TypeError) as e:
-                raise SystemExit(f"{path}:{i + 1}: not a prompt line ({e})") from None
-    return out
-
-
-def unique_prefix_tokens(reqs: Sequence[Request], block: int = 32) -> int:
-    """Distinct prompt blocks (by their full prefix), in tokens: the working set."""
-    seen: set[int] = set()
-    for r in reqs:
-        h = 0
-        for i in range(0, len(r.prompt) - block + 1, block):
-            h = hash((h, tuple(r.prompt[i : i + block])))
-            seen.add(h)
-    return len(seen) * block
 
 
 # ---------------------------------------------------------------------- deployments
@@ -562,20 +473,12 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
     n_levels = len(rates) if rates else 1
 
     def load(w: str, level: int) -> list[Request]:
-        # Each load level gets conversations of its own (another seed): replaying the
-        # same ones would find them cached by the level before.
-        if w == "chat":
-            # Two turns a user on average; a system prompt shared by two users.
-            users = max(12, n // 2)
-            return chat_workload(n, seed=1 + 100 * level, users=users, systems=users // 2,
-                                 system_tokens=1000)  # fmt: skip
-        if w == "trace":  # the trace's own order (little reuse at this scale)
-            return trace_workload(a.trace, n, a.block_tokens, 32, max_model_len(a.kv_blocks))
-        if w == "mixed":
-            return mixed_workload(max(9, n * 3 // 8), seed=2 + 100 * level)
         if w == "jsonl":
             return jsonl_workload(a.prompts, n, tokenizer)
-        raise SystemExit(f"unknown workload {w!r}")
+        try:
+            return bench_workload(w, n, level, a.trace, a.block_tokens, max_model_len(a.kv_blocks))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
 
     by_level = {w: [load(w, i) for i in range(n_levels)] for w in workloads}
     loads = {w: v[0] for w, v in by_level.items()}
@@ -650,11 +553,6 @@ def run(a: argparse.Namespace, work: Path, deployments: list[str], workloads: li
                 for k in ("ttfts_s", "tpots_s", "texts", "start_times", "latencies_s"):
                     v.pop(k, None)
     return out
-
-
-def fresh_chat(n: int, seed: int = 11) -> list[Request]:
-    users = max(12, n // 2)
-    return chat_workload(n, seed=seed, users=users, systems=users // 2, system_tokens=1000)
 
 
 def kill_run(d: Deployment, fresh: list[Request], level: tuple[float, int | None],

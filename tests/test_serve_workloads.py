@@ -1,4 +1,4 @@
-"""The serving benchmark's workloads (bench/serve.py): deterministic, shaped as promised."""
+"""The serving benchmark's workloads (tiered_cache.plan.workloads, bench/serve.py's): deterministic, shaped as promised."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import serve
 
+from tiered_cache.plan import workloads as wl
+
 
 def test_trace_blocks_are_deterministic_and_shared_by_equal_hash_ids(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
@@ -21,20 +23,20 @@ def test_trace_blocks_are_deterministic_and_shared_by_equal_hash_ids(tmp_path: P
         {"timestamp": 2, "input_length": 700, "output_length": 2, "hash_ids": [7, 8]},
     ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    a = serve.trace_workload(trace, 3, block_tokens=32, max_output=16, max_len=4000)
-    b = serve.trace_workload(trace, 3, block_tokens=32, max_output=16, max_len=4000)
+    a = wl.trace_workload(trace, 3, block_tokens=32, max_output=16, max_len=4000)
+    b = wl.trace_workload(trace, 3, block_tokens=32, max_output=16, max_len=4000)
     assert [r.prompt for r in a] == [r.prompt for r in b]  # no salted hash(): same every run
     assert [len(r.prompt) for r in a] == [96, 64, 44]  # 512-token blocks scaled to 32
     assert a[1].prompt == a[0].prompt[:64]  # equal ids, equal prefix
     assert a[2].prompt[:32] != a[0].prompt[:32]
     assert [r.output_len for r in a] == [5, 16, 2]
-    short = serve.trace_workload(trace, 1, block_tokens=32, max_output=16, max_len=60)
+    short = wl.trace_workload(trace, 1, block_tokens=32, max_output=16, max_len=60)
     assert len(short[0].prompt) == 60 - 5 - 16  # cut to what the model takes
 
 
 def test_chat_conversations_grow_and_share_system_prompts() -> None:
-    reqs = serve.chat_workload(40, seed=3, users=8, systems=4, system_tokens=100)
-    assert reqs == serve.chat_workload(40, seed=3, users=8, systems=4, system_tokens=100)
+    reqs = wl.chat_workload(40, seed=3, users=8, systems=4, system_tokens=100)
+    assert reqs == wl.chat_workload(40, seed=3, users=8, systems=4, system_tokens=100)
     by_prefix: dict[tuple[int, ...], list[int]] = {}
     for r in reqs:
         by_prefix.setdefault(tuple(r.prompt[:100]), []).append(len(r.prompt))
@@ -42,11 +44,11 @@ def test_chat_conversations_grow_and_share_system_prompts() -> None:
     # Later turns extend earlier ones: some prompt is a prefix of a longer one.
     prompts = [r.prompt for r in reqs]
     assert any(q[: len(p)] == p and len(q) > len(p) for p in prompts for q in prompts)
-    assert serve.unique_prefix_tokens(reqs) < sum(len(p) for p in prompts)
+    assert wl.unique_prefix_tokens(reqs) < sum(len(p) for p in prompts)
 
 
 def test_mixed_has_one_long_prompt_for_two_short() -> None:
-    reqs = serve.mixed_workload(9, seed=1)
+    reqs = wl.mixed_workload(9, seed=1)
     assert [r.kind for r in reqs] == ["long", "short", "short"] * 3
     assert all(len(r.prompt) > 1000 for r in reqs if r.kind == "long")
 
@@ -55,8 +57,8 @@ def test_a_bad_prompts_file_names_the_line(tmp_path: Path) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": [1, 2, 3], "output_len": 4}\n{"oops": 1}\n')
     with pytest.raises(SystemExit, match=r"p.jsonl:2: not a prompt line"):
-        serve.jsonl_workload(f, 10, tokenizer=None)
-    got = serve.jsonl_workload(f, 1, tokenizer=None)
+        wl.jsonl_workload(f, 10, tokenizer=None)
+    got = wl.jsonl_workload(f, 1, tokenizer=None)
     assert got[0].prompt == [1, 2, 3] and got[0].output_len == 4
 
 

@@ -1,0 +1,160 @@
+"""A short calibration run against the user's own vLLM: the ``Engine`` the planner
+prices steps with, fitted from what that server answers.
+
+- prefill: unique prompts of a few lengths, one token each; the time fitted as
+  ``a + b n + c n^2/2`` (a step, per token, per attention pair) with non-negative
+  coefficients;
+- decode: one stream and four at once (the per-sequence cost of a step), and one stream
+  over a long context (the per-context-token cost: the KV read).
+
+About a minute on a small model. Prompts are token ids (``/v1/completions`` takes them),
+so no tokenizer is needed, and random, so no prefix cache or connector serves them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tiered_cache.plan.hardware import Engine
+from tiered_cache.plan.model import PlanError
+from tiered_cache.plan.workloads import tokens
+
+_PREFILL_LENGTHS = (32, 256, 512, 1024, 1536, 2048)
+
+
+class Calibrator:
+    def __init__(self, url: str, timeout_s: float = 300.0, max_len: int | None = None,
+                 say: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(timeout=timeout_s)
+        self.rng = random.Random(20261206)
+        self.say = say or (lambda _m: None)
+        try:
+            models = self.http.get(self.url + "/v1/models").json()["data"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise PlanError(f"--calibrate {url}: not a vLLM server ({e})") from None
+        if not models:
+            raise PlanError(f"--calibrate {url}: serves no model")
+        self.model = str(models[0]["id"])
+        self.max_len = int(max_len or models[0].get("max_model_len") or 4096)
+
+    def _complete(self, n: int, out: int) -> float:
+        body = {"model": self.model, "prompt": tokens(self.rng, n), "max_tokens": out,
+                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+        t = time.perf_counter()
+        r = self.http.post(self.url + "/v1/completions", json=body)
+        if r.status_code != 200:
+            raise PlanError(f"--calibrate: {self.url} answered {r.status_code}: {r.text[:200]}")
+        return time.perf_counter() - t
+
+    def prefill(self, repeats: int = 3) -> list[tuple[int, float]]:
+        pts = []
+        for n in _PREFILL_LENGTHS:
+            if n + 8 > self.max_len:
+                break
+            ts = [self._complete(n, 1) for _ in range(repeats)]
+            pts.append((n, statistics.median(ts)))
+            self.say(f"prefill {n} tokens: {1e3 * pts[-1][1]:.0f} ms")
+        return pts
+
+    def decode(self, streams: int, prompt: int = 32, out: int = 64) -> float:
+        """One step's seconds with ``streams`` decodes running (each a ``prompt``-token
+        context): (whole request - its prefill) / (tokens - 1)."""
+        pre = statistics.median(self._complete(prompt, 1) for _ in range(2))
+        with concurrent.futures.ThreadPoolExecutor(streams) as ex:
+            ts = list(ex.map(lambda _: self._complete(prompt, out), range(streams)))
+        step = (statistics.median(ts) - pre) / (out - 1)
+        self.say(f"decode, {streams} stream(s), {prompt}-token context: {1e3 * step:.1f} ms a step")
+        return max(step, 1e-5)
+
+    def engine(self) -> tuple[Engine, dict[str, Any]]:
+        self._complete(64, 2)  # warm
+        pts = self.prefill()
+        a, b, c = fit_prefill(pts)
+        d1 = self.decode(1)
+        d4 = self.decode(4)
+        long_ctx = min(1024, self.max_len - 80)
+        dl = self.decode(1, prompt=long_ctx, out=32)
+        per_seq = max(0.0, (d4 - d1) / 3)
+        step = max(1e-4, d1 - per_seq)
+        per_ctx = max(0.0, (dl - d1) / (long_ctx - 32))
+        eng = Engine(step_s=step, per_seq_s=per_seq, per_ctx_s=per_ctx, per_token_s=b,
+                     per_pair_s=c, overhead_s=max(0.0, a - step))  # fmt: skip
+        raw = {"prefill_s": [[n, t] for n, t in pts], "decode_step_s": {"1": d1, "4": d4},
+               f"decode_step_s_ctx{long_ctx}": dl}  # fmt: skip
+        return eng, raw
+
+
+def fit_prefill(pts: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
+    """Least squares of ``t = a + b n + c n^2/2`` with a, b, c >= 0 (a negative term
+    dropped and the rest refitted: three unknowns, so every subset is tried)."""
+    if len(pts) < 3:
+        raise PlanError("calibration needs prefill times at 3 lengths or more")
+    n = np.array([p[0] for p in pts], dtype=float)
+    t = np.array([p[1] for p in pts], dtype=float)
+    cols = [np.ones_like(n), n, n * n / 2]
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for mask in ((1, 1, 1), (1, 1, 0), (0, 1, 1), (1, 0, 1), (0, 1, 0), (1, 0, 0)):
+        idx = [i for i in range(3) if mask[i]]
+        x, *_ = np.linalg.lstsq(np.stack([cols[i] for i in idx], axis=1), t, rcond=None)
+        if (x < 0).any():
+            continue
+        coef = [0.0, 0.0, 0.0]
+        for i, v in zip(idx, x, strict=True):
+            coef[i] = float(v)
+        err = float(((coef[0] + coef[1] * n + coef[2] * n * n / 2 - t) ** 2).sum())
+        if best is None or err < best[0]:
+            best = (err, (coef[0], coef[1], coef[2]))
+    assert best is not None  # (1, 0, 0) fits a mean, which is > 0
+    return best[1]
+
+
+def memcpy_link(nbytes: int = 64 * 2**20) -> dict[str, float]:
+    """The DRAM tier's copy on this host (what a save and a load do on vLLM CPU): a copy
+    and the chunk checksum's pass, the raw memcpy reference of the benches."""
+    import xxhash
+
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        xxhash.xxh3_64_digest(dst.data)
+        ts.append(time.perf_counter() - t)
+    return {"bytes_per_s": nbytes / min(ts), "latency_s": 2e-4}
+
+
+def calibrate(targets: dict[int, str], say: Callable[[str], None] | None = None,
+              max_len: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """{units: URL} -> the ``--calibration`` file's content."""
+    engines: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    for units, url in sorted(targets.items()):
+        eng, r = Calibrator(url, say=say, max_len=max_len).engine()
+        engines[str(units)] = dataclasses.asdict(eng)
+        raw[str(units)] = r
+    return {"engines": engines, "raw": raw, "links": {"dram": memcpy_link()},
+            "when": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+
+
+def parse_targets(specs: Sequence[str]) -> dict[int, str]:
+    """``--calibrate URL`` (a 1-unit server) or ``UNITS=URL``, repeatable."""
+    out: dict[int, str] = {}
+    for s in specs:
+        units, sep, url = s.partition("=")
+        if not sep:
+            units, url = "1", s
+        if not units.isdigit() or int(units) <= 0 or not url.startswith("http"):
+            raise PlanError(f"--calibrate takes URL or UNITS=URL, got {s!r}")
+        out[int(units)] = url
+    return out
