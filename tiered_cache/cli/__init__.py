@@ -13,6 +13,7 @@ import click
 from tiered_cache.cli.events import events
 from tiered_cache.cli.ops import evict, flush, ls_cmd, models_cmd, nodes, stats
 from tiered_cache.cli.pins import pin
+from tiered_cache.cli.plan import plan
 from tiered_cache.cli.services import agent, dashboard, router, simulate
 
 __all__ = ["main"]
@@ -47,5 +48,6 @@ for _cmd in (
     router,
     simulate,
     events,
+    plan,
 ):
     main.add_command(_cmd)

@@ -71,7 +71,10 @@ def from_hf_config(cfg: dict[str, Any], name: str = "model", dtype: str | None =
         head_dim = int(_get(cfg, "head_dim", default=hidden // heads))
         per_layer = 2 * kv_heads * head_dim
     kv = layers * per_layer * db
-    attn = 4 * hidden * hidden  # q, k, v, o projections, about (GQA makes k, v smaller)
+    if mla:  # q, o full; the latent's down and up projections
+        attn = 2 * hidden * heads * head_dim + hidden * per_layer + per_layer * heads * 2 * head_dim
+    else:  # q and o full, k and v at the KV heads'
+        attn = 2 * hidden * heads * head_dim + hidden * per_layer
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
     per_tok = cfg.get("num_experts_per_tok")
     moe_inter = int(cfg.get("moe_intermediate_size") or inter)

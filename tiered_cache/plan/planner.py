@@ -254,9 +254,22 @@ def predict(
     return res
 
 
+def default_rates(hw: Hardware, works: Sequence[Workload]) -> list[float]:
+    """Rates around what the hardware can prefill with no cache at all: every server's
+    prefill tokens/s at the mean prompt, over the mean prompt, x 0.25 ... 2."""
+    prompts = [n for w in works for n, *_ in w.prompts]
+    mean = max(1, round(statistics.fmean(prompts))) if prompts else 1024
+    servers = max(1, hw.units // hw.tp)
+    cap = servers * hw.engine(hw.tp).prefill_tps(mean) / mean
+    return [float(f"{cap * f:.2g}") for f in (0.25, 0.5, 1.0, 1.5, 2.0)]
+
+
 def best(per_dep: dict[str, dict[str, Any]], tie: float = 0.03) -> str:
-    """The deployment with the most goodput; within ``tie`` of it, the lowest TTFT p50."""
+    """The deployment with the most goodput; within ``tie`` of it, the lowest TTFT p50
+    ("none" when no deployment serves a request within the SLOs)."""
     top = max(f["goodput"] for f in per_dep.values())
+    if top <= 0:
+        return "none"
     close = {d: f for d, f in per_dep.items() if f["goodput"] >= top * (1 - tie)}
     return min(close, key=lambda d: close[d]["ttft_p50"] or math.inf)
 
@@ -273,19 +286,29 @@ def verdict(pred: dict[str, dict[str, dict[str, Any]]], rates: Sequence[float]
         by_w.setdefault(w, []).append((float(r), best(per)))
     lines: dict[str, Any] = {}
     for w, picks in by_w.items():
-        pd_rates = [r for r, d in picks if d.startswith("pd")]
-        other = [d for _, d in picks if not d.startswith("pd")]
+        served = [(r, d) for r, d in picks if d != "none"]
+        over = [r for r, d in picks if d == "none"]
+        tail = (f" From {min(over):g} req/s no deployment meets the SLOs on this hardware."
+                if over else "")  # fmt: skip
+        pd_rates = [r for r, d in served if d.startswith("pd")]
+        other = [d for _, d in served if not d.startswith("pd")]
         alt = max(set(other), key=other.count) if other else None
-        if not pd_rates:
-            text = f"{w}: P/D does not pay at {_span(picks)} req/s; run {alt}."
-        elif len(pd_rates) == len(picks):
-            text = f"{w}: P/D pays at every rate asked ({_span(picks)} req/s)."
+        if not served:
+            text = f"{w}: no deployment meets the SLOs at {_span(picks)} req/s."
+            tail = ""
+        elif not pd_rates:
+            text = f"{w}: P/D does not pay at {_span(served)} req/s; run {alt}."
+        elif len(pd_rates) == len(served):
+            text = f"{w}: P/D pays at every rate served ({_span(served)} req/s)."
         else:
             lo = min(pd_rates)
-            below = [d for r, d in picks if r < lo and not d.startswith("pd")]
+            below = [d for r, d in served if r < lo and not d.startswith("pd")]
+            above = [d for r, d in served if r > lo and not d.startswith("pd")]
             text = (f"{w}: P/D pays off from {lo:g} req/s at this prompt mix; below that, "
                     f"run {below[-1] if below else alt}.")  # fmt: skip
-        lines[w] = {"best": {f"{r:g}": d for r, d in picks}, "verdict": text}
+            if above:
+                text += f" (Not at every rate above: {', '.join(sorted(set(above)))} too.)"
+        lines[w] = {"best": {f"{r:g}": d for r, d in picks}, "verdict": text + tail}
     return lines
 
 
@@ -295,16 +318,18 @@ def _span(picks: list[tuple[float, str]]) -> str:
 
 
 def table(pred: dict[str, dict[str, dict[str, Any]]]) -> str:
-    rows = [f"{'deployment':<14}{'load':<14}{'goodput':>8}{'TTFT p50':>10}{'p99':>8}"
-            f"{'TPOT p50':>10}{'p99':>7}{'split':>6}  hits (vllm/tiers)"]  # fmt: skip
+    dw = max([10, *(len(d) for d in pred)]) + 2
+    lw = max([4, *(len(lab) for per in pred.values() for lab in per)]) + 2
+    rows = [f"{'deployment':<{dw}}{'load':<{lw}}{'goodput':>8}{'TTFT p50':>10}{'p99':>9}"
+            f"{'TPOT p50':>10}{'p99':>8}{'split':>7}  hit rate (vllm/tiers)"]  # fmt: skip
     for d, per in pred.items():
         for lab, f in per.items():
-            hits = "/".join(f"{v:.0%}" for v in f["hit_rate"].values())
+            hits = "/".join(f"{k} {v:.0%}" for k, v in f["hit_rate"].items())
             g = {k: "-" if f[k] is None else f"{f[k]:.0f}" for k in
                  ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")}  # fmt: skip
-            rows.append(f"{d:<14}{lab:<14}{f['goodput']:>8.2f}{g['ttft_p50']:>10}"
-                        f"{g['ttft_p99']:>8}{g['tpot_p50']:>10}{g['tpot_p99']:>7}"
-                        f"{f['split_share']:>6.0%}  {hits}")  # fmt: skip
+            rows.append(f"{d:<{dw}}{lab:<{lw}}{f['goodput']:>8.2f}{g['ttft_p50']:>10}"
+                        f"{g['ttft_p99']:>9}{g['tpot_p50']:>10}{g['tpot_p99']:>8}"
+                        f"{f['split_share']:>7.0%}  {hits}")  # fmt: skip
     return "\n".join(rows)
 
 

@@ -196,7 +196,7 @@ class Sim:
             if cached > 0 and req.n - cached <= self.hw.chunk_tokens:  # the router's skip
                 self._enqueue(d, _Job(req, res, req.out, "decode"))
                 return
-            p = min(pre, key=lambda s: (sum(j.pending for j in (*s.waiting, *s.running))))
+            p = min(pre, key=lambda s: sum(j.pending for j in (*s.waiting, *s.running)))
             res.split = True
             self._enqueue(p, _Job(req, res, 1, "prefill"))
             return
