@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -296,6 +297,9 @@ def run_load(
     samples = [SampleRequest(prompt=r.prompt, prompt_len=len(r.prompt),
                              expected_output_len=r.output_len) for r in reqs]  # fmt: skip
     before = d.metrics()
+    # vLLM's arrivals come from numpy's global generator; seeded as `vllm bench serve
+    # --seed 0` seeds it, so every deployment meets the same arrivals at a rate.
+    np.random.seed(0)
     say(f"{d.name} / {label}: {len(reqs)} requests, "
         + (f"concurrency {concurrency}" if concurrency else f"Poisson {rate}/s"))
     res = asyncio.run(benchmark(

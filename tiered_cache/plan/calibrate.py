@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from tiered_cache.plan.hardware import Engine
 from tiered_cache.plan.model import PlanError
 from tiered_cache.plan.workloads import tokens
 
-_PREFILL_LENGTHS = (32, 256, 512, 1024, 1536, 2048)
+_PREFILL_LENGTHS = (32, 128, 256, 512, 768, 1024, 1536, 2048)
 
 
 class Calibrator:
@@ -57,10 +58,11 @@ class Calibrator:
         return time.perf_counter() - t
 
     def prefill(self, repeats: int = 3) -> list[tuple[int, float]]:
+        lengths = [n for n in _PREFILL_LENGTHS if n + 8 <= self.max_len]
+        for n in lengths:  # a length's first prefill is slow (vLLM CPU's kernels warm up)
+            self._complete(n, 1)
         pts = []
-        for n in _PREFILL_LENGTHS:
-            if n + 8 > self.max_len:
-                break
+        for n in lengths:
             ts = [self._complete(n, 1) for _ in range(repeats)]
             pts.append((n, statistics.median(ts)))
             self.say(f"prefill {n} tokens: {1e3 * pts[-1][1]:.0f} ms")
@@ -92,6 +94,43 @@ class Calibrator:
         raw = {"prefill_s": [[n, t] for n, t in pts], "decode_step_s": {"1": d1, "4": d4},
                f"decode_step_s_ctx{long_ctx}": dl}  # fmt: skip
         return eng, raw
+
+
+def neighbour_slowdown(url: str, neighbour: str, say: Callable[[str], None] | None = None
+                       ) -> dict[str, float]:  # fmt: skip
+    """How much slower ``url``'s steps get while a server beside it (``neighbour``: other
+    cores of the same host, which share memory bandwidth and caches) is busy prefilling
+    (``prefill``) or decoding (``decode``): the mean over a 1024-token prefill and a
+    decode step of busy / idle, minus one."""
+    me, other = Calibrator(url, say=say), Calibrator(neighbour, say=say)
+    me._complete(64, 2)
+
+    def probe() -> tuple[float, float]:
+        return statistics.median(me._complete(1024, 1) for _ in range(5)), me.decode(1)
+
+    probe()  # warm: the first of each is slow
+    alone = probe()
+    out: dict[str, float] = {}
+    for kind, load in (("prefill", (1024, 1)), ("decode", (32, 64))):
+        stop = threading.Event()
+
+        def churn(load: tuple[int, int] = load, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                other._complete(*load)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(churn)
+            try:
+                time.sleep(0.3)
+                busy = probe()
+            finally:
+                stop.set()
+            fut.result()
+        out[kind] = max(0.0, statistics.fmean(b / a for a, b in zip(alone, busy, strict=True)) - 1)
+    if say:
+        say(f"a neighbour's prefill slows a step by {out['prefill']:.0%}, its decode by "
+            f"{out['decode']:.0%}")  # fmt: skip
+    return out
 
 
 def fit_prefill(pts: Sequence[tuple[int, float]]) -> tuple[float, float, float]:

@@ -41,10 +41,17 @@ class Engine:
     overhead_s: float = 0.0
     overlap: bool = False
 
-    def step(self, decodes: int, ctx: int, prefill: int, pairs: float) -> float:
+    def parts(self, decodes: int, ctx: int, prefill: int, pairs: float) -> tuple[float, float]:
+        """A step's memory-bound seconds (weights, decodes, their KV) and compute-bound
+        ones (the prefill tokens and their attention)."""
         mem = self.step_s + self.per_seq_s * decodes + self.per_ctx_s * ctx
-        comp = self.per_token_s * prefill + self.per_pair_s * pairs
+        return mem, self.per_token_s * prefill + self.per_pair_s * pairs
+
+    def combine(self, mem: float, comp: float) -> float:
         return max(mem, comp) if self.overlap else mem + comp
+
+    def step(self, decodes: int, ctx: int, prefill: int, pairs: float) -> float:
+        return self.combine(*self.parts(decodes, ctx, prefill, pairs))
 
     def prefill_s(self, n: int) -> float:
         return self.step(0, 0, n, n * n / 2)
@@ -113,6 +120,11 @@ class Hardware:
     block_tokens: int = 16
     chunk_tokens: int = 256
     hop_s: float = 0.002  # the router's second request of a split (tokenize, HTTP)
+    router_s: float = 0.0  # what the router adds to a request it proxies (lookup, HTTP)
+    # A step slows by these shares while another server of its node prefills, or only
+    # decodes (shared memory bandwidth and caches: cores of one CPU; 0: GPUs of their own).
+    neighbour_prefill: float = 0.0
+    neighbour_decode: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     def engine(self, units: int) -> Engine:
@@ -189,6 +201,9 @@ def host_hardware(calibration: dict[str, Any], kv_tokens: int = 4096, dram_mib: 
         tp=1, unit_name="core", save_blocks=True, load_blocks=True, max_num_seqs=8,
         max_batched_tokens=2048, block_tokens=32, chunk_tokens=256,
         hop_s=float(calibration.get("hop_s", 0.01)),
+        router_s=float(calibration.get("router_s", 0.0)),
+        neighbour_prefill=float(calibration.get("neighbour", {}).get("prefill", 0.0)),
+        neighbour_decode=float(calibration.get("neighbour", {}).get("decode", 0.0)),
         notes=["vLLM CPU on this machine, calibrated " + str(calibration.get("when", ""))],
     )  # fmt: skip
 

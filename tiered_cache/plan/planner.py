@@ -39,10 +39,12 @@ class Workload:
     name: str
     prompts: list[tuple[int, int, list[int], str]]  # (tokens, output tokens, keys, kind)
     block_tokens: int
+    times: list[float] | None = None  # arrivals recorded by a run (a replay of it)
 
     def at(self, rate: float, seed: int) -> list[SimRequest]:
+        ts = self.times if self.times is not None else arrivals(len(self.prompts), rate, seed)
         return [SimRequest(t, n, o, k, kind) for t, (n, o, k, kind)
-                in zip(arrivals(len(self.prompts), rate, seed), self.prompts, strict=True)]  # fmt: skip
+                in zip(ts, self.prompts, strict=True)]  # fmt: skip
 
 
 def from_requests(name: str, reqs: Sequence[Request], block_tokens: int) -> Workload:
@@ -237,7 +239,8 @@ def predict(
     seeds: int = 3,
 ) -> dict[str, dict[str, dict[str, Any]]]:  # fmt: skip
     """{deployment: {"workload@rate": figures}} for each (workload, rate) point, each the
-    mean over ``seeds`` draws of the arrivals."""
+    mean over ``seeds`` draws of the arrivals (one replay of a workload's recorded
+    ``times``)."""
     slo = slo or Slo()
     res: dict[str, dict[str, dict[str, Any]]] = {}
     for w, _ in points:
@@ -247,8 +250,9 @@ def predict(
     for lay in layouts(hw, names, ratios):
         per: dict[str, dict[str, Any]] = {}
         for w, rate in points:
+            draws = 1 if w.times is not None else seeds  # recorded arrivals: one replay
             runs = [figures(replay(lay, hw, w.at(rate, s), model.kv_bytes_per_token), slo)
-                    for s in range(seeds)]  # fmt: skip
+                    for s in range(draws)]  # fmt: skip
             per[label(w, rate)] = _mean(runs)
         res[lay.name] = per
     return res

@@ -105,6 +105,7 @@ class _Server:
         self.waiting: deque[_Job] = deque()
         self.running: list[_Job] = []
         self.busy = False
+        self.prefilling = False  # its step in progress computes prompt tokens
         self.arrivals = DecayingRate(10.0)
 
     @property
@@ -256,9 +257,13 @@ class Sim:
         for k in req.keys[: (req.n - 1) // self.bt]:
             srv.lru[k] = None
             srv.lru.move_to_end(k)
-        over = len(srv.lru) - (srv.cap - srv.held)
-        for _ in range(max(0, over)):
-            srv.lru.popitem(last=False)
+        # vLLM's pool: the running requests' blocks (``held``, their cached prompt blocks
+        # among them) and, in what is left, the cached blocks of finished ones, LRU first.
+        busy = {k for j in srv.running for k in j.req.keys[: j.computed // self.bt]}
+        over = len(srv.lru) - len(busy & srv.lru.keys()) - (srv.cap - srv.held)
+        if over > 0:
+            for k in [k for k in srv.lru if k not in busy][:over]:
+                del srv.lru[k]
         if not srv.lay.cache or self.store is None:
             return 0.0
         ckeys = self._chunk_keys(req)
@@ -312,7 +317,12 @@ class Sim:
             srv.busy = False
             return
         pairs = sum(c * (j.computed + c / 2) for j, c in chunks)
-        dur = srv.engine.step(decodes, ctx, sum(c for _, c in chunks), pairs) + stall
+        mem, comp = srv.engine.parts(decodes, ctx, sum(c for _, c in chunks), pairs)
+        srv.prefilling = bool(chunks)
+        near = [o for o in self.servers if o.busy and o is not srv and o.lay.node == srv.lay.node]
+        slow = (hw.neighbour_prefill if any(o.prefilling for o in near)
+                else hw.neighbour_decode if near else 0.0)  # fmt: skip
+        dur = srv.engine.combine(mem, comp) * (1 + slow) + stall
         for j, c in chunks:
             j.computed += c
             j.pending = j.req.n - j.computed
@@ -350,8 +360,9 @@ class Sim:
 
     async def run(self, reqs: Sequence[SimRequest]) -> list[Outcome]:
         outs = [Outcome(r.arrival, out=r.out, kind=r.kind, prompt=r.n) for r in reqs]
+        proxy = self.hw.router_s if self.layout.routing != "none" else 0.0
         for r, o in zip(reqs, outs, strict=True):
-            self._at(r.arrival, "arrive", (r, o))
+            self._at(r.arrival + proxy, "arrive", (r, o))
         while self.events:
             t, _, kind, obj = heapq.heappop(self.events)
             self.now = t

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,12 +21,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.plan.calibrate import calibrate
+from tiered_cache.plan.calibrate import Calibrator, calibrate, neighbour_slowdown
 from tiered_cache.plan.hardware import host_hardware
 from tiered_cache.plan.model import ModelSpec
-from tiered_cache.plan.planner import Slo, best, from_requests, predict
+from tiered_cache.plan.planner import Slo, best, from_requests, label, predict
 from tiered_cache.plan.workloads import bench_workload
-from tiered_cache.tools.vllm_launch import REPO, VllmServer, free_port, server_env
+from tiered_cache.tools.vllm_launch import (
+    REPO,
+    VllmServer,
+    free_port,
+    server_env,
+    spawn,
+    start_servers,
+    stop_group,
+    wait_http,
+)  # fmt: skip
 
 BLOCK = 32
 KV_BLOCKS = 128  # bench/serve.py's --kv-blocks default
@@ -53,30 +63,63 @@ def _model(work: Path) -> Path:
     return out
 
 
+def _server(name: str, model: Path, cores: str, work: Path) -> VllmServer:
+    return VllmServer(
+        name, str(model), free_port(), work / f"{name}.log",
+        extra_args=["--enable-prefix-caching", "--block-size", str(BLOCK),
+                    "--num-gpu-blocks-override", str(KV_BLOCKS)],
+        env={"VLLM_CPU_OMP_THREADS_BIND": cores}, dtype="float32",
+        max_model_len=MAX_LEN, served_name="calib", max_num_seqs=8,
+    )  # fmt: skip
+
+
+def router_overhead(direct: str, routed: str, n: int = 9) -> float:
+    """Seconds the router adds to a short request (median through it minus direct)."""
+    c = Calibrator(direct)
+    r = Calibrator(routed)
+    c._complete(64, 2)
+    r._complete(64, 2)
+    d = statistics.median(c._complete(64, 2) for _ in range(n))
+    t = statistics.median(r._complete(64, 2) for _ in range(n))
+    return max(0.0, t - d)
+
+
 def run_calibration(work: Path, say: Callable[[str], None]) -> dict[str, Any]:
-    """A vLLM on core 0, then one on cores 0-1, calibrated one after the other."""
+    """Two 1-core vLLMs (cores 0 and 1, as the bench's replicas and P/D): the first
+    calibrated while the second idles, then the slowdown a busy neighbour causes, and
+    the router's own cost in front of them; then one vLLM on both cores."""
     model = _model(work)
-    targets: dict[int, Any] = {}
     cal: dict[str, Any] = {"engines": {}, "raw": {}}
-    for units, cores in ((1, "0"), (2, "0-1")):
-        s = VllmServer(
-            f"calib-{units}", str(model), free_port(), work / f"calib-{units}.log",
-            extra_args=["--enable-prefix-caching", "--block-size", str(BLOCK),
-                        "--num-gpu-blocks-override", str(KV_BLOCKS)],
-            env={"VLLM_CPU_OMP_THREADS_BIND": cores}, dtype="float32",
-            max_model_len=MAX_LEN, served_name="calib", max_num_seqs=8,
-        )  # fmt: skip
-        say(f"calibrating a {units}-core vLLM")
-        s.start()
-        try:
-            s.wait_ready(600)
-            one = calibrate({units: s.url}, say=say)
-        finally:
-            s.stop()
-        cal["engines"].update(one["engines"])
-        cal["raw"].update(one["raw"])
-        cal["links"], cal["when"] = one["links"], one["when"]
-        targets[units] = s.url
+    a, b = _server("calib-1a", model, "0", work), _server("calib-1b", model, "1", work)
+    say("calibrating a 1-core vLLM (and its neighbour on the other core)")
+    router = None
+    try:
+        start_servers([a, b], 600)
+        one = calibrate({1: a.url}, say=say)
+        cal["neighbour"] = neighbour_slowdown(a.url, b.url, say=say)
+        port = free_port()
+        router = spawn([sys.executable, "-m", "tiered_cache.cli", "router", "--replica", a.url,
+                        "--replica", b.url, "--port", str(port), "--round-robin"],
+                       work / "calib-router.log")  # fmt: skip
+        wait_http(f"http://127.0.0.1:{port}/health", 60, router, work / "calib-router.log")
+        cal["router_s"] = router_overhead(a.url, f"http://127.0.0.1:{port}")
+        say(f"the router adds {1e3 * cal['router_s']:.0f} ms to a request")
+    finally:
+        stop_group(router)
+        a.stop()
+        b.stop()
+    cal["engines"].update(one["engines"])
+    cal["raw"].update(one["raw"])
+    s = _server("calib-2", model, "0-1", work)
+    say("calibrating a 2-core vLLM")
+    try:
+        start_servers([s], 600)
+        two = calibrate({2: s.url}, say=say)
+    finally:
+        s.stop()
+    cal["engines"].update(two["engines"])
+    cal["raw"].update(two["raw"])
+    cal["links"], cal["when"] = two["links"], two["when"]
     return cal
 
 
@@ -88,10 +131,21 @@ def run_bench(work: Path, grid: dict[str, Any], say: Callable[[str], None]) -> d
         "--num-requests", str(grid["num_requests"]), "--out", str(work / "serve"),
     ]  # fmt: skip
     say("measuring: " + " ".join(cmd[1:]))
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=server_env())
+    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, env=server_env())
     if p.returncode != 0:
         raise RuntimeError(f"bench/serve.py exited {p.returncode}")
-    return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+    # the saved file: it keeps the per-request lists (arrival times among them)
+    return dict(json.loads((work / "serve" / "results.json").read_text()))
+
+
+def recorded_arrivals(res: dict[str, Any], dep: str, lab: str, n: int, rate: float
+                      ) -> list[float] | None:  # fmt: skip
+    """The send times the bench recorded for this load (vLLM's arrivals end at n/rate):
+    the prediction replays the very arrivals it is compared with."""
+    st = res.get("results", {}).get(dep, {}).get(lab, {}).get("start_times")
+    if not st or len(st) != n:
+        return None
+    return [t - st[-1] + n / rate for t in st]
 
 
 def measured_figures(res: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -186,12 +240,18 @@ def validate(
     hw = host_hardware(calibration, kv_tokens=res.get("vllm_kv_space_tokens", KV_BLOCKS * BLOCK),
                        dram_mib=int(res.get("our_dram_bytes", 2**30) // 2**20),
                        disk_mib=int(res.get("our_disk_bytes", 2**32) // 2**20))  # fmt: skip
-    points = [(from_requests(w, bench_workload(w, grid["num_requests"], i, max_len=MAX_LEN),
-                             BLOCK), float(r))
-              for w in grid["workloads"] for i, r in enumerate(grid["rates"])]  # fmt: skip
-    say(f"predicting {len(points)} loads x {len(deployments)} deployments")
-    pred = predict(hw, DEMO, points, names=[d for d in deployments if d != "ideal"], slo=slo,
-                   seeds=seeds)  # fmt: skip
+    say(f"predicting {len(grid['workloads']) * len(grid['rates'])} loads x "
+        f"{len(deployments)} deployments")  # fmt: skip
+    pred: dict[str, dict[str, dict[str, Any]]] = {}
+    for dep in [d for d in deployments if d != "ideal"]:
+        points = []
+        for w in grid["workloads"]:
+            for i, r in enumerate(grid["rates"]):
+                wl = from_requests(w, bench_workload(w, grid["num_requests"], i,
+                                                     max_len=MAX_LEN), BLOCK)  # fmt: skip
+                wl.times = recorded_arrivals(res, dep, label(wl, r), len(wl.prompts), r)
+                points.append((wl, float(r)))
+        pred.update(predict(hw, DEMO, points, names=[dep], slo=slo, seeds=seeds))
     out = score(pred, measured_figures(res))
     out.update({
         "rates": grid["rates"], "workloads": grid["workloads"], "slo_ms": slo.__dict__,
