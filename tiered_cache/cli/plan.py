@@ -166,6 +166,14 @@ def plan(
     try:
         if seeds <= 0 or num_requests <= 0 or limit <= 0:
             raise CliError("--seeds, --num-requests and --limit must be > 0")
+        # every input checked before anything is measured or replayed
+        slo = _slo(slo_items)
+        ratio = ratios or ("1:1" if preset == "cpu-here" else "1:1,1:3,3:1")
+        pl.parse_ratios(ratio)
+        unknown = [d for d in deployments.split(",") if d not in pl.DEPLOYMENTS]
+        if unknown:
+            raise CliError(f"unknown deployment {unknown[0]!r} ({', '.join(pl.DEPLOYMENTS)})")
+        rate_list = _floats(rates, "--rates") if rates else None
         cal = hwm.load_calibration(calibration) if calibration else None
         if calibrate_urls:
             cal = calibrate(parse_targets(calibrate_urls), say=_say)
@@ -181,6 +189,7 @@ def plan(
                                                            "goals")}, indent=1))  # fmt: skip
             click.echo(json.dumps({k: out[k] for k in (
                 "best_choice_agreement", "within_25pct", "goals", "prediction_error",
+                "repeat_within_25pct", "repeat_error",
                 "best_choice", "rates", "workloads", "slo_ms", "engines", "measured",
                 "predicted", "workdir")}, separators=(",", ":")))  # fmt: skip
             return
@@ -216,15 +225,11 @@ def plan(
             names = (workload_names or "chat,mixed").split(",")
             works = [pl.from_requests(n, bench_workload(n, num_requests, 0), hw.block_tokens)
                      for n in names]  # fmt: skip
-        if rates:
-            rate_list = _floats(rates, "--rates")
-        elif preset == "cpu-here":
+        if rate_list is None and preset == "cpu-here":
             rate_list = _floats(_HOST_RATES, "--rates")
-        else:
+        elif rate_list is None:
             rate_list = pl.default_rates(hw, works)
             _say(f"rates {rate_list} req/s: 1/4 to 2x what the servers prefill with no cache")
-        slo = _slo(slo_items)
-        ratio = ratios or ("1:1" if preset == "cpu-here" else "1:1,1:3,3:1")
         _say(f"{model.name}: {model.kv_bytes_per_token} KV bytes a token; {hw.name}, "
              f"{hw.units} {hw.unit_name}s, servers of {hw.tp}")  # fmt: skip
         points = [(w, r) for w in works for r in rate_list]

@@ -17,7 +17,6 @@ import concurrent.futures
 import dataclasses
 import random
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,7 +56,7 @@ class Calibrator:
             raise PlanError(f"--calibrate: {self.url} answered {r.status_code}: {r.text[:200]}")
         return time.perf_counter() - t
 
-    def prefill(self, repeats: int = 3) -> list[tuple[int, float]]:
+    def prefill(self, repeats: int = 5) -> list[tuple[int, float]]:
         lengths = [n for n in _PREFILL_LENGTHS if n + 8 <= self.max_len]
         for n in lengths:  # a length's first prefill is slow (vLLM CPU's kernels warm up)
             self._complete(n, 1)
@@ -68,10 +67,10 @@ class Calibrator:
             self.say(f"prefill {n} tokens: {1e3 * pts[-1][1]:.0f} ms")
         return pts
 
-    def decode(self, streams: int, prompt: int = 32, out: int = 64) -> float:
+    def decode(self, streams: int, prompt: int = 32, out: int = 128) -> float:
         """One step's seconds with ``streams`` decodes running (each a ``prompt``-token
         context): (whole request - its prefill) / (tokens - 1)."""
-        pre = statistics.median(self._complete(prompt, 1) for _ in range(2))
+        pre = statistics.median(self._complete(prompt, 1) for _ in range(3))
         with concurrent.futures.ThreadPoolExecutor(streams) as ex:
             ts = list(ex.map(lambda _: self._complete(prompt, out), range(streams)))
         step = (statistics.median(ts) - pre) / (out - 1)
@@ -84,8 +83,8 @@ class Calibrator:
         a, b, c = fit_prefill(pts)
         d1 = self.decode(1)
         d4 = self.decode(4)
-        long_ctx = min(1024, self.max_len - 80)
-        dl = self.decode(1, prompt=long_ctx, out=32)
+        long_ctx = min(1024, self.max_len - 160)
+        dl = self.decode(1, prompt=long_ctx, out=128)
         per_seq = max(0.0, (d4 - d1) / 3)
         step = max(1e-4, d1 - per_seq)
         per_ctx = max(0.0, (dl - d1) / (long_ctx - 32))
@@ -96,39 +95,20 @@ class Calibrator:
         return eng, raw
 
 
-def neighbour_slowdown(url: str, neighbour: str, say: Callable[[str], None] | None = None
-                       ) -> dict[str, float]:  # fmt: skip
-    """How much slower ``url``'s steps get while a server beside it (``neighbour``: other
-    cores of the same host, which share memory bandwidth and caches) is busy prefilling
-    (``prefill``) or decoding (``decode``): the mean over a 1024-token prefill and a
-    decode step of busy / idle, minus one."""
-    me, other = Calibrator(url, say=say), Calibrator(neighbour, say=say)
-    me._complete(64, 2)
-
-    def probe() -> tuple[float, float]:
-        return statistics.median(me._complete(1024, 1) for _ in range(5)), me.decode(1)
-
-    probe()  # warm: the first of each is slow
-    alone = probe()
-    out: dict[str, float] = {}
-    for kind, load in (("prefill", (1024, 1)), ("decode", (32, 64))):
-        stop = threading.Event()
-
-        def churn(load: tuple[int, int] = load, stop: threading.Event = stop) -> None:
-            while not stop.is_set():
-                other._complete(*load)
-
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(churn)
-            try:
-                time.sleep(0.3)
-                busy = probe()
-            finally:
-                stop.set()
-            fut.result()
-        out[kind] = max(0.0, statistics.fmean(b / a for a, b in zip(alone, busy, strict=True)) - 1)
+def neighbour_slowdown(alone: Engine, urls: Sequence[str],
+                       say: Callable[[str], None] | None = None) -> dict[str, float]:  # fmt: skip
+    """How much slower a server's steps get while the servers beside it (other cores of
+    the same host: shared memory bandwidth, caches, the CPU time of every API server) are
+    busy: each of ``urls`` calibrated at the same time, their prefill of 1,024 tokens and
+    their decode step against ``alone``'s, minus one. The runs keep in step, so a
+    prefill meets the neighbours' prefills and a decode their decodes."""
+    with concurrent.futures.ThreadPoolExecutor(len(urls)) as ex:
+        busy = [e for e, _ in ex.map(lambda u: Calibrator(u).engine(), urls)]
+    pre = statistics.fmean(e.prefill_s(1024) / alone.prefill_s(1024) for e in busy) - 1
+    dec = statistics.fmean(e.step(1, 32, 0, 0) / alone.step(1, 32, 0, 0) for e in busy) - 1
+    out = {"prefill": round(max(0.0, pre), 3), "decode": round(max(0.0, dec), 3)}
     if say:
-        say(f"a neighbour's prefill slows a step by {out['prefill']:.0%}, its decode by "
+        say(f"busy neighbours slow a prefill by {out['prefill']:.0%}, a decode step by "
             f"{out['decode']:.0%}")  # fmt: skip
     return out
 

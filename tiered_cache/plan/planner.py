@@ -106,7 +106,7 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
     return [x * (n / rate) / ts[-1] for x in ts]
 
 
-def _ratios(spec: str) -> list[tuple[int, int]]:
+def parse_ratios(spec: str) -> list[tuple[int, int]]:
     out = []
     for item in spec.split(","):
         p, _, d = item.partition(":")
@@ -127,7 +127,7 @@ def layouts(hw: Hardware, names: Sequence[str], ratios: str = "1:1") -> list[Lay
     n = hw.units // tp
     per_node = max(1, hw.units_per_node // tp)
     out: list[Layout] = []
-    rs = _ratios(ratios)
+    rs = parse_ratios(ratios)
 
     def srv(name: str, pool: str, i: int, cache: bool) -> ServerLayout:
         return ServerLayout(name, pool, tp, node=i // per_node, cache=cache)
@@ -212,6 +212,9 @@ def figures(outs: Sequence[Outcome], slo: Slo) -> dict[str, Any]:
         "kv_bytes_per_request": {"loaded": sum(o.load_bytes for o in outs) / n,
                                  "saved": sum(o.save_bytes for o in outs) / n},
         "load_ms_per_request": 1e3 * sum(o.load_s for o in outs) / n,
+        "load_ms_per_request_by_link": {
+            k: 1e3 * sum(o.link_s.get(k, 0.0) for o in outs) / n
+            for k in sorted({k for o in outs for k in o.link_s})},
     }  # fmt: skip
 
 

@@ -60,6 +60,7 @@ class Outcome:
     tier_hit: dict[str, int] = field(default_factory=dict)  # tokens loaded, by tier
     load_bytes: float = 0.0
     load_s: float = 0.0
+    link_s: dict[str, float] = field(default_factory=dict)  # load seconds by link
     save_bytes: float = 0.0
 
     @property
@@ -148,7 +149,7 @@ class Sim:
         self.rr = itertools.count()
         self.now = 0.0
         e = self.servers[0].engine
-        self.rates = Rates(e.prefill_tps(), hw.hop_s + 0.05, e.step(1, 1000, 0, 0))
+        self.rates = Rates(e.prefill_tps(), hw.hop_s, e.step(1, 1000, 0, 0))
 
     # ------------------------------------------------------------------ the store
 
@@ -161,12 +162,15 @@ class Sim:
             return []
         return await self.store.lookup(self._chunk_keys(req))
 
-    def _link(self, tier: str, key: str, node: int) -> Link:
+    def _link(self, tier: str, key: str, node: int) -> tuple[Link, str]:
+        """The link a load of ``key`` from ``tier`` crosses, and its name ("net": another
+        node's DRAM, through the network)."""
         link = {"dram": self.hw.dram, "nvme": self.hw.nvme, "s3": self.hw.s3}[tier]
         net = self.hw.net
         if tier == "dram" and net is not None and self.writer.get(key, node) != node:
-            return Link(min(link.bytes_per_s, net.bytes_per_s), link.latency_s + net.latency_s)
-        return link
+            return Link(min(link.bytes_per_s, net.bytes_per_s),
+                        link.latency_s + net.latency_s), "net"  # fmt: skip
+        return link, tier
 
     # ------------------------------------------------------------------ events
 
@@ -232,18 +236,19 @@ class Sim:
             ext_tokens = min(len(sources) * self.hw.chunk_tokens, req.n - 1)
             if ext_tokens > job.computed:
                 first = job.computed // self.hw.chunk_tokens  # chunks the blocks cover
-                by_link: dict[tuple[float, float], float] = {}
+                moved: dict[str, tuple[Link, float]] = {}  # by link: its bytes
                 for i in range(first, len(sources)):
                     await self.store.get(ckeys[i], promote=True)
                     tier = sources[i]
-                    lk = self._link(tier, ckeys[i], srv.lay.node)
-                    nb = self.chunk_bytes
-                    by_link[(lk.bytes_per_s, lk.latency_s)] = \
-                        by_link.get((lk.bytes_per_s, lk.latency_s), 0.0) + nb  # fmt: skip
+                    lk, lname = self._link(tier, ckeys[i], srv.lay.node)
+                    moved[lname] = (lk, moved.get(lname, (lk, 0.0))[1] + self.chunk_bytes)
                     if job.leg != "prefill":  # hit rates: the answered request's
                         res.tier_hit[tier] = res.tier_hit.get(tier, 0) + self.hw.chunk_tokens
-                    res.load_bytes += nb
-                load_s = max(Link(b, lat).seconds(nb) for (b, lat), nb in by_link.items())
+                    res.load_bytes += self.chunk_bytes
+                for lname, (lk, nbytes) in moved.items():  # the links work in parallel
+                    t = lk.seconds(nbytes)
+                    res.link_s[lname] = res.link_s.get(lname, 0.0) + t
+                    load_s = max(load_s, t)
                 res.load_s += load_s
                 job.computed = ext_tokens
         if job.leg != "prefill":  # the tokens of the request that is answered
@@ -358,8 +363,20 @@ class Sim:
         d = min(dec, key=lambda s: len(s.running) + len(s.waiting))
         self._enqueue(d, _Job(j.req, j.res, j.req.out, "decode"))
 
+    def handoff_s(self, reqs: Sequence[SimRequest]) -> float:
+        """What the router learns a handoff costs (its EWMA of measured handoffs): the
+        second request, and the mean prompt's KV saved and loaded across the link between
+        the pools (the network when they sit on different nodes)."""
+        nbytes = sum(r.n for r in reqs) / max(1, len(reqs)) * self.kv_bpt
+        pre = {s.lay.node for s in self.servers if s.lay.pool == "prefill"}
+        dec = {s.lay.node for s in self.servers if s.lay.pool == "decode"}
+        link = self.hw.net if self.hw.net is not None and pre != dec else self.hw.dram
+        save = self.hw.dram.seconds(nbytes) if self.hw.save_blocks else 0.0
+        return self.hw.hop_s + save + link.seconds(nbytes)
+
     async def run(self, reqs: Sequence[SimRequest]) -> list[Outcome]:
         outs = [Outcome(r.arrival, out=r.out, kind=r.kind, prompt=r.n) for r in reqs]
+        self.rates = Rates(self.rates.prefill_tps, self.handoff_s(reqs), self.rates.step_s)
         proxy = self.hw.router_s if self.layout.routing != "none" else 0.0
         for r, o in zip(reqs, outs, strict=True):
             self._at(r.arrival + proxy, "arrive", (r, o))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_cache.plan.calibrate import Calibrator, calibrate, neighbour_slowdown
-from tiered_cache.plan.hardware import host_hardware
+from tiered_cache.plan.hardware import Engine, host_hardware
 from tiered_cache.plan.model import ModelSpec
 from tiered_cache.plan.planner import Slo, best, from_requests, label, predict
 from tiered_cache.plan.workloads import bench_workload
@@ -49,6 +49,7 @@ FULL: dict[str, Any] = {
 }
 QUICK: dict[str, Any] = {"rates": [1.0, 3.0], "num_requests": 36, "workloads": ["chat", "mixed"]}
 DEPLOYMENTS = ["mono", "ours", "replicas", "replicas-rr", "pd"]
+REPEAT = ["mono", "pd"]  # measured twice: the bench's own repeatability
 GOAL = 0.25  # the issue's: goodput and TTFT p50 within 25 %
 GOAL_AGREEMENT = 0.8
 
@@ -96,7 +97,8 @@ def run_calibration(work: Path, say: Callable[[str], None]) -> dict[str, Any]:
     try:
         start_servers([a, b], 600)
         one = calibrate({1: a.url}, say=say)
-        cal["neighbour"] = neighbour_slowdown(a.url, b.url, say=say)
+        cal["neighbour"] = neighbour_slowdown(Engine(**one["engines"]["1"]), [a.url, b.url],
+                                              say=say)  # fmt: skip
         port = free_port()
         router = spawn([sys.executable, "-m", "tiered_cache.cli", "router", "--replica", a.url,
                         "--replica", b.url, "--port", str(port), "--round-robin"],
@@ -123,19 +125,43 @@ def run_calibration(work: Path, say: Callable[[str], None]) -> dict[str, Any]:
     return cal
 
 
-def run_bench(work: Path, grid: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+def run_bench(work: Path, grid: dict[str, Any], say: Callable[[str], None],
+              deployments: Sequence[str] = DEPLOYMENTS, out: str = "serve") -> dict[str, Any]:  # fmt: skip
     cmd = [
         sys.executable, str(REPO / "bench" / "serve.py"), "--json", "--no-kill-agent",
-        "--deployments", ",".join(DEPLOYMENTS), "--workloads", ",".join(grid["workloads"]),
+        "--deployments", ",".join(deployments), "--workloads", ",".join(grid["workloads"]),
         "--rates", ",".join(str(r) for r in grid["rates"]),
-        "--num-requests", str(grid["num_requests"]), "--out", str(work / "serve"),
+        "--num-requests", str(grid["num_requests"]), "--out", str(work / out),
     ]  # fmt: skip
     say("measuring: " + " ".join(cmd[1:]))
     p = subprocess.run(cmd, stdout=subprocess.DEVNULL, env=server_env())
     if p.returncode != 0:
         raise RuntimeError(f"bench/serve.py exited {p.returncode}")
     # the saved file: it keeps the per-request lists (arrival times among them)
-    return dict(json.loads((work / "serve" / "results.json").read_text()))
+    return dict(json.loads((work / out / "results.json").read_text()))
+
+
+def repeat_error(res: dict[str, Any]) -> dict[str, Any]:
+    """The bench against itself: the deployments measured a second time (``repeat``, the
+    same prompts and arrivals), as relative differences from the first measurement, the
+    floor under any prediction's error on this machine."""
+    first, again = measured_figures(res), measured_figures({"results": res.get("repeat", {})})
+    errs: dict[str, Any] = {}
+    within, total = 0, 0
+    for dep, per in again.items():
+        for fig in ("goodput", "ttft_p50"):
+            pts = {}
+            for lab, m in per.items():
+                a, b = m.get(fig), first.get(dep, {}).get(lab, {}).get(fig)
+                if a is None or not b:
+                    continue
+                pts[lab] = round((a - b) / b, 3)
+                total += 1
+                within += abs(pts[lab]) <= GOAL
+            if pts:
+                errs.setdefault(dep, {})[fig] = {"max_abs": max(abs(v) for v in pts.values()),
+                                                 "per_load": pts}  # fmt: skip
+    return {"repeat_error": errs, "repeat_within_25pct": round(within / total, 3) if total else None}
 
 
 def recorded_arrivals(res: dict[str, Any], dep: str, lab: str, n: int, rate: float
@@ -216,7 +242,7 @@ def score(pred: dict[str, dict[str, dict[str, Any]]],
 def validate(
     quick: bool, measured: Path | None, calibration: dict[str, Any] | None,
     say: Callable[[str], None], workdir: Path | None = None, seeds: int = 5,
-    deployments: Sequence[str] = DEPLOYMENTS,
+    deployments: Sequence[str] = DEPLOYMENTS, repeat: Sequence[str] = REPEAT,
 ) -> dict[str, Any]:  # fmt: skip
     work = workdir or Path(tempfile.mkdtemp(prefix="tc-plan-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
@@ -234,6 +260,8 @@ def validate(
                 "workloads": [w for w in res.get("workloads", {}) if w in ("chat", "mixed")]}  # fmt: skip
     else:
         res = run_bench(work, grid, say)
+        if repeat:
+            res["repeat"] = run_bench(work, grid, say, repeat, "serve-repeat")["results"]
         (work / "measured.json").write_text(json.dumps(res))
     slo_ms = res.get("goodput_slo_ms", {})
     slo = Slo(slo_ms.get("ttft", 3000.0), slo_ms.get("tpot", 250.0))
@@ -253,6 +281,7 @@ def validate(
                 points.append((wl, float(r)))
         pred.update(predict(hw, DEMO, points, names=[dep], slo=slo, seeds=seeds))
     out = score(pred, measured_figures(res))
+    out.update(repeat_error(res))
     out.update({
         "rates": grid["rates"], "workloads": grid["workloads"], "slo_ms": slo.__dict__,
         "engines": calibration["engines"], "measured": measured_figures(res),
