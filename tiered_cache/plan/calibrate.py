@@ -67,13 +67,30 @@ class Calibrator:
             self.say(f"prefill {n} tokens: {1e3 * pts[-1][1]:.0f} ms")
         return pts
 
-    def decode(self, streams: int, prompt: int = 32, out: int = 128) -> float:
-        """One step's seconds with ``streams`` decodes running (each a ``prompt``-token
-        context): (whole request - its prefill) / (tokens - 1)."""
-        pre = statistics.median(self._complete(prompt, 1) for _ in range(3))
+    def _stream(self, n: int, out: int) -> list[float]:
+        """Arrival times of a streamed completion's chunks (a chunk a step)."""
+        body = {"model": self.model, "prompt": tokens(self.rng, n), "max_tokens": out,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
+        ts: list[float] = []
+        with self.http.stream("POST", self.url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise PlanError(f"--calibrate: {self.url} answered {r.status_code}")
+            for line in r.iter_lines():
+                if line.startswith("data:") and "[DONE]" not in line:
+                    ts.append(time.perf_counter())
+        return ts
+
+    def decode(self, streams: int, prompt: int = 32, out: int = 96) -> float:
+        """One step's seconds with ``streams`` decodes running, each over a ``prompt``-token
+        context: the streams' chunks while every one of them decodes (after the last
+        first token, before the first last one), so no prefill is in the window."""
         with concurrent.futures.ThreadPoolExecutor(streams) as ex:
-            ts = list(ex.map(lambda _: self._complete(prompt, out), range(streams)))
-        step = (statistics.median(ts) - pre) / (out - 1)
+            runs = list(ex.map(lambda _: self._stream(prompt, out), range(streams)))
+        lo, hi = max(r[0] for r in runs), min(r[-1] for r in runs)
+        steps = [(hi - lo) / k for r in runs if (k := sum(1 for t in r if lo < t <= hi)) > 0]
+        if not steps:
+            raise PlanError(f"--calibrate: {self.url} streamed no tokens to time")
+        step = statistics.median(steps)
         self.say(f"decode, {streams} stream(s), {prompt}-token context: {1e3 * step:.1f} ms a step")
         return max(step, 1e-5)
 
@@ -83,15 +100,17 @@ class Calibrator:
         a, b, c = fit_prefill(pts)
         d1 = self.decode(1)
         d4 = self.decode(4)
-        long_ctx = min(1024, self.max_len - 160)
-        dl = self.decode(1, prompt=long_ctx, out=128)
+        long_ctx = min(1024, self.max_len - 300)
+        # Two streams: batched, as a busy server reads its KV, and both held at once by a
+        # small KV space; long enough to outlast the second one's prefill.
+        dl = self.decode(2, prompt=long_ctx, out=256)
         per_seq = max(0.0, (d4 - d1) / 3)
         step = max(1e-4, d1 - per_seq)
-        per_ctx = max(0.0, (dl - d1) / (long_ctx - 32))
+        per_ctx = max(0.0, (dl - (d1 + per_seq)) / (2 * (long_ctx - 32)))
         eng = Engine(step_s=step, per_seq_s=per_seq, per_ctx_s=per_ctx, per_token_s=b,
                      per_pair_s=c, overhead_s=max(0.0, a - step))  # fmt: skip
         raw = {"prefill_s": [[n, t] for n, t in pts], "decode_step_s": {"1": d1, "4": d4},
-               f"decode_step_s_ctx{long_ctx}": dl}  # fmt: skip
+               f"decode_step_s_2x_ctx{long_ctx}": dl}  # fmt: skip
         return eng, raw
 
 
