@@ -304,9 +304,20 @@ def test_validation_scores_relative_errors_and_agreement() -> None:
                                                                    "chat@3.0": 0.0}  # fmt: skip
     assert s["prediction_error"]["pd"]["ttft_p50"]["max_abs"] == 0.5
     assert s["within_25pct"] == pytest.approx(6 / 8)  # pd's TTFT at 1 and goodput at 3 miss
-    assert s["best_choice"]["chat@1.0"] == {"measured": "mono", "predicted": "mono"}
-    assert s["best_choice"]["chat@3.0"] == {"measured": "pd", "predicted": "pd"}
+    assert s["best_choice"]["chat@1.0"] == {"measured": "mono", "predicted": "mono",
+                                            "measured_ties": ["mono"]}  # fmt: skip
+    assert s["best_choice"]["chat@3.0"] == {"measured": "pd", "predicted": "pd",
+                                            "measured_ties": ["pd"]}  # fmt: skip
     assert s["best_choice_agreement"] == 1.0
+    # pd predicted best at 1 req/s: an error while pd's TTFT is twice mono's, none once
+    # the two are as good within the bench's noise (a measured tie)
+    p2 = {**pred, "pd": {**pred["pd"], "chat@1.0": {**pred["pd"]["chat@1.0"], "goodput": 1.2}}}
+    wrong = score(p2, meas)
+    assert (wrong["best_choice_agreement"], wrong["best_choice_agreement_up_to_ties"]) == (0.5, 0.5)
+    m2 = {**meas, "pd": {**meas["pd"], "chat@1.0": {**meas["pd"]["chat@1.0"], "ttft_p50": 110.0}}}
+    tied = score(p2, m2)
+    assert tied["best_choice"]["chat@1.0"]["measured_ties"] == ["mono", "pd"]
+    assert (tied["best_choice_agreement"], tied["best_choice_agreement_up_to_ties"]) == (0.5, 1.0)
     assert s["goals"] == {"within_25pct_all": False, "best_choice_agreement_80pct": True}
 
 

@@ -188,7 +188,8 @@ def plan(
                 click.echo(json.dumps({k: out[k] for k in ("prediction_error", "best_choice",
                                                            "goals")}, indent=1))  # fmt: skip
             click.echo(json.dumps({k: out[k] for k in (
-                "best_choice_agreement", "within_25pct", "goals", "prediction_error",
+                "best_choice_agreement", "best_choice_agreement_up_to_ties", "within_25pct",
+                "goals", "prediction_error",
                 "repeat_within_25pct", "repeat_error",
                 "best_choice", "rates", "workloads", "slo_ms", "engines", "measured",
                 "predicted", "workdir")}, separators=(",", ":")))  # fmt: skip

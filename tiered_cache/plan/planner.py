@@ -202,6 +202,7 @@ def figures(outs: Sequence[Outcome], slo: Slo) -> dict[str, Any]:
         "duration_s": dur,
         "throughput": len(outs) / dur if dur else 0.0,
         "goodput": good / dur if dur else 0.0,
+        "slo_attainment": good / len(outs) if outs else 0.0,  # share within both SLOs
         "ttft_p50": ms(percentile(ttft, 50)), "ttft_p90": ms(percentile(ttft, 90)),
         "ttft_p99": ms(percentile(ttft, 99)),
         "tpot_p50": ms(percentile(tpot, 50)), "tpot_p90": ms(percentile(tpot, 90)),
