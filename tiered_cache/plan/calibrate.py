@@ -98,8 +98,10 @@ class Calibrator:
         self._complete(64, 2)  # warm
         pts = self.prefill()
         a, b, c = fit_prefill(pts)
-        d1 = self.decode(1)
-        d4 = self.decode(4)
+        # The best of two: a server's first decodes run cold, and a noisy neighbour only
+        # ever slows a step (a cold d1 once fitted per_seq to 0).
+        d1 = min(self.decode(1), self.decode(1))
+        d4 = min(self.decode(4), self.decode(4))
         long_ctx = min(1024, self.max_len - 300)
         # Two streams: batched, as a busy server reads its KV, and both held at once by a
         # small KV space; long enough to outlast the second one's prefill.
