@@ -53,8 +53,8 @@ _PREFIX = struct.Struct("<16sI")  # parent key, position
 _NO_PARENT = b"\0" * 16
 _MAC_AT = _FIXED.size + _PREFIX.size
 TENANT_SIZE = 32
-_TENANT_AT = _MAC_AT + MAC_SIZE
-assert _TENANT_AT + TENANT_SIZE + 4 <= HEADER_SIZE
+TENANT_AT = _MAC_AT + MAC_SIZE
+assert TENANT_AT + TENANT_SIZE + 4 <= HEADER_SIZE
 _HCRC = struct.Struct("<I")
 
 
@@ -158,7 +158,7 @@ def pack_header(
         fixed += _mac(mac_key, fixed, memoryview(payload).cast("B"))
     if meta.tenant:
         tenant = _fit(meta.tenant, TENANT_SIZE, "tenant")
-        fixed = fixed.ljust(_TENANT_AT, b"\0") + tenant.ljust(TENANT_SIZE, b"\0")
+        fixed = fixed.ljust(TENANT_AT, b"\0") + tenant.ljust(TENANT_SIZE, b"\0")
     body = fixed + b"\0" * (HEADER_SIZE - 4 - len(fixed))
     return body + _HCRC.pack(xxhash.xxh32_intdigest(body))
 
@@ -195,7 +195,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, int, i
     if ndim > MAX_DIMS:
         raise ChunkCorrupt(f"bad ndim {ndim}")
     try:
-        tenant = bytes(body[_TENANT_AT : _TENANT_AT + TENANT_SIZE]).rstrip(b"\0").decode()
+        tenant = bytes(body[TENANT_AT : TENANT_AT + TENANT_SIZE]).rstrip(b"\0").decode()
     except UnicodeDecodeError:
         raise ChunkCorrupt("tenant is not UTF-8") from None
     meta = ChunkMeta(
