@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from tiered_cache.at_rest import CodecName
 from tiered_cache.config_values import Size, check_secret, parse_duration, parse_size
 from tiered_cache.private_dir import default_runtime_dir
 from tiered_cache.tenancy import RouterConfig, TenantName, TenantQuota
@@ -110,6 +111,13 @@ class S3Config(TierPolicy):
     # written or read go first; a forgotten object is found again by a HEAD). With one,
     # every object is indexed: each counts against the budget.
     index_max_entries: int = Field(100_000, ge=1)
+    # At rest (tiered_cache.at_rest, docs/operations.md "At rest"): how this tier's writes
+    # are stored; a reader opens every codec whatever its own.
+    codec: CodecName = "none"
+    # Seal every chunk with AES-256-GCM under its tenant's key, derived from the key ring in
+    # $TIERED_CACHE_AT_REST_KEYS or the file $TIERED_CACHE_AT_REST_KEY_FILE names (never
+    # from this file). A sealing reader takes plaintext copies for misses.
+    encrypt: bool = False
 
     @model_validator(mode="after")
     def _url(self) -> S3Config:

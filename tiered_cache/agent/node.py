@@ -17,7 +17,8 @@ from tiered_cache.agent.admin import AdminOps
 from tiered_cache.agent.local import Handler, LocalServer
 from tiered_cache.agent.peers import PeerLink, chunk_mac_key
 from tiered_cache.agent.sync import DirectorySync
-from tiered_cache.config import CacheConfig
+from tiered_cache.at_rest import ENV_KEY_FILE, ENV_KEYS, AtRest, CodecName, KeyRing
+from tiered_cache.config import CacheConfig, ConfigError
 from tiered_cache.directory import Directory, LocalDirectory, ModelRegistration, RedisDirectory
 from tiered_cache.hierarchy import TieredStore, TierSlot
 from tiered_cache.kv_events import KVEvents
@@ -26,12 +27,22 @@ from tiered_cache.netaddr import advertise_host
 from tiered_cache.private_dir import default_runtime_dir, ensure_private_dir, is_inside
 from tiered_cache.protocol import Request
 from tiered_cache.tiers.base import Tier
+from tiered_cache.tiers.enveloped import EnvelopedTier
 
 log = logging.getLogger("tiered_cache.agent")
 
 
 def _policy_kwargs(p: Any) -> dict[str, Any]:
     return {"k": p.admission_k} if p.admission.lower() == "frequency" else {}
+
+
+def _at_rest(codec_name: CodecName, encrypt: bool, where: str, tier: Tier) -> Tier:
+    """``tier`` as configured to store its chunks at rest: as they are, or enveloped."""
+    keys = KeyRing.from_env() if encrypt else None
+    if encrypt and keys is None:
+        raise ConfigError(f"{where}.encrypt: no key ring; set ${ENV_KEYS} or ${ENV_KEY_FILE}")
+    at_rest = AtRest(codec=codec_name, keys=keys)
+    return EnvelopedTier(tier, at_rest) if at_rest.active else tier
 
 
 def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True) -> list[TierSlot]:
@@ -70,23 +81,19 @@ def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True
     if cfg.s3.enabled:
         from tiered_cache.tiers.s3 import S3Tier
 
-        tiers.append(
-            (
-                cfg.s3,
-                S3Tier.from_url(
-                    cfg.s3.url,
-                    endpoint_url=cfg.s3.endpoint_url,
-                    region=cfg.s3.region,
-                    capacity_bytes=cfg.s3.capacity,
-                    max_concurrency=cfg.s3.max_concurrency,
-                    connect_timeout=cfg.s3.connect_timeout_s,
-                    read_timeout=cfg.s3.read_timeout_s,
-                    max_attempts=cfg.s3.max_attempts,
-                    index_max_entries=cfg.s3.index_max_entries,
-                    metrics=metrics,
-                ),
-            )
+        s3 = S3Tier.from_url(
+            cfg.s3.url,
+            endpoint_url=cfg.s3.endpoint_url,
+            region=cfg.s3.region,
+            capacity_bytes=cfg.s3.capacity,
+            max_concurrency=cfg.s3.max_concurrency,
+            connect_timeout=cfg.s3.connect_timeout_s,
+            read_timeout=cfg.s3.read_timeout_s,
+            max_attempts=cfg.s3.max_attempts,
+            index_max_entries=cfg.s3.index_max_entries,
+            metrics=metrics,
         )
+        tiers.append((cfg.s3, _at_rest(cfg.s3.codec, cfg.s3.encrypt, "s3", s3)))
     for tc, tier in tiers:
         slots.append(
             TierSlot(

@@ -1,0 +1,128 @@
+"""A tier that keeps each chunk in an at-rest envelope (``tiered_cache.at_rest``):
+compressed, sealed, or both. It wraps another tier (composition: the inner tier stores,
+indexes, evicts and accounts the envelope's bytes as it would any chunk's).
+
+Reads give back the chunk's encoded bytes, which the hierarchy verifies as for any tier.
+A copy this reader cannot open is never handed on as data:
+
+- sealed under a key it does not hold or has retired, plaintext where it seals every
+  chunk, or failing its AES-GCM tag: a miss (``None``), the copy left in place. Damage
+  fails the stored bytes' checksum first, so a tag that fails on intact bytes means
+  another master key under the same id (a misconfigured node) or a forgery; deleting
+  would let one misconfigured reader empty a shared bucket of good copies;
+- damaged: the stored bytes are returned as they are, so the hierarchy's own
+  verification fails on them and removes the copy, as for any damaged chunk.
+
+Either way the reason is counted in ``unopened`` ("key", "plain", "tag", "damaged"). Wrapping and unwrapping run in a
+thread: zstd and AES-GCM take milliseconds per chunk, too long for the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence, Set
+from typing import Any
+
+from tiered_cache import codec
+from tiered_cache.at_rest import AtRest, KeyUnavailable, PlainRefused
+from tiered_cache.logthrottle import LogThrottle
+from tiered_cache.tiers.base import Tier, TierUsage
+
+log = logging.getLogger(__name__)
+_THROTTLE = LogThrottle(log)
+#: Below this many bytes a chunk is (un)wrapped inline: a thread hop costs more.
+_INLINE_BYTES = 64 * 1024
+
+
+class EnvelopedTier(Tier):
+    def __init__(self, inner: Tier, at_rest: AtRest) -> None:
+        if not at_rest.active:
+            raise ValueError("an EnvelopedTier needs a codec or keys (else use the tier)")
+        self.inner = inner
+        self.at_rest = at_rest
+        self.name = inner.name
+        self.counts_write_errors = inner.counts_write_errors
+        #: reason -> copies read but not opened
+        self.unopened: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        sealed = self.at_rest.keys is not None
+        return f"EnvelopedTier({self.inner!r}, codec={self.at_rest.codec}, sealed={sealed})"
+
+    # the store sets this on the tier it holds: it belongs to the inner one
+    @property
+    def on_forget(self) -> Callable[[str], None] | None:
+        return self.inner.on_forget
+
+    @on_forget.setter
+    def on_forget(self, fn: Callable[[str], None] | None) -> None:
+        self.inner.on_forget = fn
+
+    def __getattr__(self, attr: str) -> Any:  # the inner tier's own (S3's counters, ...)
+        return getattr(self.inner, attr)
+
+    async def _run(self, fn: Callable[[Any], Any], buf: Any) -> Any:
+        if memoryview(buf).nbytes < _INLINE_BYTES:
+            return fn(buf)
+        return await asyncio.to_thread(fn, buf)
+
+    async def get(self, key: str) -> bytes | bytearray | None:
+        stored = await self.inner.get(key)
+        if stored is None:
+            return None
+        try:
+            plain = await self._run(self.at_rest.unwrap, stored)
+        except (KeyUnavailable, PlainRefused, codec.ChunkForged) as e:
+            reason = ("key" if isinstance(e, KeyUnavailable)
+                      else "plain" if isinstance(e, PlainRefused) else "tag")  # fmt: skip
+            self.unopened[reason] += 1
+            _THROTTLE.log((self.name, reason), logging.WARNING,
+                          "%s copy of %s not opened here: %s", self.name, key, e)  # fmt: skip
+            return None
+        except codec.ChunkError as e:
+            self.unopened["damaged"] += 1
+            _THROTTLE.log((self.name, "damaged"), logging.WARNING,
+                          "%s envelope of %s: %s", self.name, key, e)  # fmt: skip
+            return stored  # fails the hierarchy's verification, which removes the copy
+        return plain if isinstance(plain, bytes | bytearray) else bytes(plain)
+
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.put(key, await self._run(self.at_rest.wrap, data))
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return await self.inner.contains_many(keys)
+
+    async def longest_prefix(self, keys: Sequence[str]) -> int:
+        return await self.inner.longest_prefix(keys)
+
+    async def delete(self, key: str) -> bool:
+        return await self.inner.delete(key)
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+    def entries(self) -> Iterator[tuple[str, int]]:
+        return self.inner.entries()
+
+    def size_of(self, key: str) -> int | None:
+        return self.inner.size_of(key)
+
+    def fits(self, nbytes: int) -> bool:
+        return self.inner.fits(nbytes)
+
+    def has_room(self, nbytes: int) -> bool:
+        return self.inner.has_room(nbytes)
+
+    def take_recovered(self) -> dict[str, tuple[str, int, str]]:
+        return self.inner.take_recovered()
+
+    def leased(self) -> Set[str]:
+        return self.inner.leased()
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def close(self) -> None:
+        await self.inner.close()
