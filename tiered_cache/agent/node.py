@@ -36,18 +36,23 @@ def _policy_kwargs(p: Any) -> dict[str, Any]:
     return {"k": p.admission_k} if p.admission.lower() == "frequency" else {}
 
 
-def _at_rest(codec_name: CodecName, encrypt: bool, where: str, tier: Tier) -> Tier:
-    """``tier`` as configured to store its chunks at rest: as they are, or enveloped."""
+def _at_rest(codec_name: CodecName, encrypt: bool, where: str) -> AtRest:
+    """How a tier stores its chunks at rest; resolved before any tier is built, so a
+    missing key ring stops start-up with nothing to tear down."""
     keys = KeyRing.from_env() if encrypt else None
     if encrypt and keys is None:
         raise ConfigError(f"{where}.encrypt: no key ring; set ${ENV_KEYS} or ${ENV_KEY_FILE}")
-    at_rest = AtRest(codec=codec_name, keys=keys)
+    return AtRest(codec=codec_name, keys=keys)
+
+
+def _stored_at_rest(tier: Tier, at_rest: AtRest) -> Tier:
     return EnvelopedTier(tier, at_rest) if at_rest.active else tier
 
 
 def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True) -> list[TierSlot]:
     from tiered_cache.tiers.dram import DRAMTier
 
+    s3_at_rest = _at_rest(cfg.s3.codec, cfg.s3.encrypt, "s3") if cfg.s3.enabled else None
     slots: list[TierSlot] = []
     tiers: list[tuple[Any, Tier]] = []
     if cfg.dram.enabled:
@@ -93,7 +98,8 @@ def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True
             index_max_entries=cfg.s3.index_max_entries,
             metrics=metrics,
         )
-        tiers.append((cfg.s3, _at_rest(cfg.s3.codec, cfg.s3.encrypt, "s3", s3)))
+        assert s3_at_rest is not None
+        tiers.append((cfg.s3, _stored_at_rest(s3, s3_at_rest)))
     for tc, tier in tiers:
         slots.append(
             TierSlot(
