@@ -59,28 +59,27 @@ async def test_the_bucket_holds_sealed_compressed_envelopes(s3_server: Any, s3_b
         await st.close()
 
 
+async def misses_and_leaves(s3_server: Any, bucket: str, ar: AtRest, reason: str) -> None:
+    """A reader with ``ar`` misses key 2, counts ``reason``, and leaves the copy."""
+    st = await make_store(s3_server, bucket, ar)
+    try:
+        assert await st.get(key(2), expect_fingerprint=FP) is None
+        tier = st.by_name["s3"].tier
+        assert isinstance(tier, EnvelopedTier) and tier.unopened[reason] == 1
+        assert (await st.contains([key(2)]))["s3"] == [True]
+    finally:
+        await st.close()
+
+
 async def test_another_key_ring_misses_and_leaves_the_copy(s3_server: Any, s3_bucket: str) -> None:
     writer = await make_store(s3_server, s3_bucket, AtRest(keys=ring(K1)))
     await writer.put(key(2), blob(key(2)), wait=True)
     await writer.close()
-    reader = await make_store(s3_server, s3_bucket, AtRest(keys=ring(K2)))
-    try:
-        # another master key under the same id: the tag fails on intact bytes; a miss,
-        # and a misconfigured reader never deletes good copies
-        assert await reader.get(key(2), expect_fingerprint=FP) is None
-        tier = reader.by_name["s3"].tier
-        assert isinstance(tier, EnvelopedTier) and tier.unopened["tag"] == 1
-        assert (await reader.contains([key(2)]))["s3"] == [True]
-    finally:
-        await reader.close()
-    unsealed = await make_store(s3_server, s3_bucket, AtRest(codec="zstd"))
-    try:  # a reader without keys: a miss, and the copy stays for one that has them
-        assert await unsealed.get(key(2), expect_fingerprint=FP) is None
-        tier = unsealed.by_name["s3"].tier
-        assert isinstance(tier, EnvelopedTier) and tier.unopened["key"] == 1
-        assert (await unsealed.contains([key(2)]))["s3"] == [True]
-    finally:
-        await unsealed.close()
+    # another master key under the same id: the tag fails on intact bytes; a misconfigured
+    # reader never deletes good copies
+    await misses_and_leaves(s3_server, s3_bucket, AtRest(keys=ring(K2)), "tag")
+    # a reader without keys: the copy stays for one that has them
+    await misses_and_leaves(s3_server, s3_bucket, AtRest(codec="zstd"), "key")
     again = await make_store(s3_server, s3_bucket, AtRest(keys=ring(K1)))
     try:  # and the writer's ring still reads it
         hit = await again.get(key(2), expect_fingerprint=FP)

@@ -45,14 +45,10 @@ def _at_rest(codec_name: CodecName, encrypt: bool, where: str) -> AtRest:
     return AtRest(codec=codec_name, keys=keys)
 
 
-def _stored_at_rest(tier: Tier, at_rest: AtRest) -> Tier:
-    return EnvelopedTier(tier, at_rest) if at_rest.active else tier
-
-
 def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True) -> list[TierSlot]:
     from tiered_cache.tiers.dram import DRAMTier
 
-    s3_at_rest = _at_rest(cfg.s3.codec, cfg.s3.encrypt, "s3") if cfg.s3.enabled else None
+    s3_at_rest = _at_rest(cfg.s3.codec, cfg.s3.enabled and cfg.s3.encrypt, "s3")
     slots: list[TierSlot] = []
     tiers: list[tuple[Any, Tier]] = []
     if cfg.dram.enabled:
@@ -98,8 +94,7 @@ def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True
             index_max_entries=cfg.s3.index_max_entries,
             metrics=metrics,
         )
-        assert s3_at_rest is not None
-        tiers.append((cfg.s3, _stored_at_rest(s3, s3_at_rest)))
+        tiers.append((cfg.s3, EnvelopedTier(s3, s3_at_rest) if s3_at_rest.active else s3))
     for tc, tier in tiers:
         slots.append(
             TierSlot(
