@@ -23,7 +23,7 @@ def bf16_chunk(tenant: str = "acme", n: int = 64 * 1024, seed: int = 0) -> bytes
     x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
     payload = (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
     meta = codec.ChunkMeta(key="ab" * 16, fingerprint=FP, num_tokens=16, dtype="bfloat16",
-                           shape=(n,), tenant=tenant)  # fmt: skip
+                           shape=(n,), parent="cd" * 16, position=3, tenant=tenant)  # fmt: skip
     return codec.encode(meta, payload)
 
 
@@ -91,18 +91,18 @@ def _reheader(stored: bytes, **fields: int | bytes) -> bytes:
     without the key can do."""
     import xxhash
 
-    head = list(at_rest._HEAD.unpack(stored[: at_rest._HEAD.size]))
-    tail = list(at_rest._TAIL.unpack(stored[at_rest._HEAD.size : at_rest._HEAD.size + at_rest._TAIL.size]))
+    h, t = at_rest._HEAD, at_rest._TAIL
+    head = list(h.unpack(stored[: h.size]))
+    tail = list(t.unpack(stored[h.size : h.size + t.size]))
     names_h = ["magic", "version", "codec", "flags", "key_id", "raw_len", "stored_len"]
-    names_t = ["nonce", "tenant", "stored_xxh3"]
+    names_t = ["nonce", "tenant", "key", "parent", "position"]
     for k, v in fields.items():
         if k in names_h:
             head[names_h.index(k)] = v
         else:
             tail[names_t.index(k)] = v
     body = stored[at_rest.HEADER_SIZE :]
-    tail[2] = xxhash.xxh3_64_intdigest(body)
-    fixed = at_rest._HEAD.pack(*head) + at_rest._TAIL.pack(*tail)
+    fixed = h.pack(*head) + t.pack(*tail) + at_rest._SUM.pack(xxhash.xxh3_64_intdigest(body))
     header = fixed + b"\0" * (at_rest.HEADER_SIZE - len(fixed) - 4)
     return header + struct.pack("<I", xxhash.xxh32_intdigest(header)) + body
 
@@ -110,11 +110,32 @@ def _reheader(stored: bytes, **fields: int | bytes) -> bytes:
 def test_a_copy_relabelled_to_another_tenant_fails_its_tag() -> None:
     ar = AtRest(codec="zstd", keys=ring())
     stored = ar.wrap(bf16_chunk(tenant="acme"))
+    assert ar.unwrap(_reheader(stored))  # the helper alone changes nothing
     moved = _reheader(stored, tenant=b"globex".ljust(32, b"\0"))
     with pytest.raises(codec.ChunkForged):
         ar.unwrap(moved)
     with pytest.raises(codec.ChunkForged):  # nor another codec's name
         ar.unwrap(_reheader(stored, codec=2))
+    with pytest.raises(codec.ChunkForged):  # nor another chunk's key, parent or position
+        ar.unwrap(_reheader(stored, key=b"\x11" * 16))
+    with pytest.raises(codec.ChunkForged):
+        ar.unwrap(_reheader(stored, position=7))
+
+
+def test_describe_reads_the_clear_fields_without_a_key() -> None:
+    blob = bf16_chunk(tenant="acme")
+    meta = codec.parse_header(blob)[0]
+    stored = AtRest(codec="zstd-planes", keys=ring()).wrap(blob)
+    info = at_rest.describe(stored[: at_rest.HEADER_SIZE])
+    assert (info.key, info.parent, info.position, info.tenant) == (
+        meta.key, meta.parent, meta.position, "acme")  # fmt: skip
+    assert info.size == len(stored)
+    bad = bytearray(stored[: at_rest.HEADER_SIZE])
+    bad[40] ^= 1
+    with pytest.raises(codec.ChunkCorrupt):
+        at_rest.describe(bad)
+    with pytest.raises(codec.ChunkMismatch):  # an older envelope version: unknown here
+        at_rest.describe(_reheader(stored, version=1)[: at_rest.HEADER_SIZE])
 
 
 def test_tenants_get_different_keys() -> None:

@@ -1,11 +1,18 @@
 """At-rest envelopes: what a tier stores in place of a chunk's encoded bytes
 (``codec.encode``) when it compresses them, seals them, or both (issue 28).
 
-Layout (little endian), a 96-byte header then the stored bytes::
+Layout (little endian), a 128-byte header then the stored bytes::
 
     magic "TKVR" | version u8 | codec u8 | flags u16 | key_id u32
     raw_len u64 | stored_len u64 | nonce 12s | tenant 32s
-    stored_xxh3 u64 | ... zero pad ... | header_xxh32 u32 (last 4 bytes)
+    key 16s | parent 16s | position u32 | stored_xxh3 u64
+    ... zero pad ... | header_xxh32 u32 (last 4 bytes)
+
+- ``key``, ``parent``, ``position`` and ``tenant`` are the chunk header's, in clear: what
+  a tier's restart scan (NVMe) reads to rebuild its index, prefix chains and tenant
+  accounts without a key. They are hashes, an index and a tenant's name, never tokens or
+  KV; the directory in Redis holds the same. Version 1 (96 bytes, without them) is
+  refused as unknown.
 
 - ``codec`` names how the chunk was compressed, so a reader configured with another
   codec (or none) still reads the copy right: the envelope, not the reader's config, says.
@@ -14,8 +21,9 @@ Layout (little endian), a 96-byte header then the stored bytes::
   exponents (repetitive) apart from its mantissas (noise).
 - ``key_id`` 0 is plaintext. Otherwise the compressed bytes are sealed with AES-256-GCM
   under a per-tenant data key, HKDF-SHA256 of the key ring's master key ``key_id`` and
-  the tenant's name. The header up to the nonce and tenant is the AEAD's associated data:
-  moving a copy to another tenant's name, or relabelling its key or codec, fails the tag.
+  the tenant's name. The header up to the stored bytes' checksum is the AEAD's associated
+  data: moving a copy to another tenant's name or chunk key, or relabelling its key id or
+  codec, fails the tag.
 - ``stored_xxh3`` checks the stored bytes before anything decompresses or decrypts them:
   damage is a cheap ``ChunkCorrupt``, and the decompressor only ever sees bytes that were
   written whole, and is capped at ``raw_len`` (itself capped) so a forged length cannot
@@ -34,7 +42,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 import xxhash
@@ -47,8 +55,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from tiered_cache import codec
 
 MAGIC = b"TKVR"
-VERSION = 1
-HEADER_SIZE = 96
+VERSION = 2
+HEADER_SIZE = 128
 #: The largest chunk an envelope may announce: a forged ``raw_len`` is refused before
 #: anything is allocated for it (the agent's chunks are tens of MiB at most).
 MAX_RAW = 1 << 30
@@ -60,10 +68,12 @@ CodecName = Literal["none", "zstd", "zstd-planes"]
 CODECS: tuple[CodecName, ...] = get_args(CodecName)
 _CODEC_ID: dict[str, int] = {name: i for i, name in enumerate(CODECS)}
 
-_HEAD = struct.Struct("<4sBBHIQQ")  # magic .. stored_len: with nonce and tenant, the AAD
-_TAIL = struct.Struct(f"<{NONCE_SIZE}s{TENANT_SIZE}sQ")  # nonce, tenant, stored_xxh3
+_HEAD = struct.Struct("<4sBBHIQQ")  # magic .. stored_len: the AAD begins
+_TAIL = struct.Struct(f"<{NONCE_SIZE}s{TENANT_SIZE}s16s16sI")  # nonce .. position: AAD too
+_SUM = struct.Struct("<Q")  # stored_xxh3
 _HCRC = struct.Struct("<I")
-assert _HEAD.size + _TAIL.size + _HCRC.size <= HEADER_SIZE
+assert _HEAD.size + _TAIL.size + _SUM.size + _HCRC.size <= HEADER_SIZE
+_NO_PARENT = b"\0" * 16
 _HKDF_INFO = b"tiered-cache at-rest data key v1\0"
 #: The environment variables a key ring is read from (never from the YAML).
 ENV_KEYS = "TIERED_CACHE_AT_REST_KEYS"
@@ -220,11 +230,54 @@ def _decompress(name: CodecName, plain: bytes | memoryview, raw_len: int) -> byt
     return out.tobytes() + rest[half:]
 
 
-def _tenant_of(blob: memoryview) -> bytes:
-    """The tenant field of an encoded chunk's header (zeros when it names none)."""
-    if blob.nbytes < codec.HEADER_SIZE:
-        raise codec.ChunkCorrupt("not a chunk: shorter than its header")
-    return bytes(blob[codec.TENANT_AT : codec.TENANT_AT + TENANT_SIZE])
+def _fields_of(blob: memoryview) -> bytes:
+    """The chunk header's tenant, key, parent and position as the envelope stores them."""
+    meta = codec.parse_header(blob)[0]
+    parent = bytes.fromhex(meta.parent) if meta.parent else _NO_PARENT
+    tenant = meta.tenant.encode().ljust(TENANT_SIZE, b"\0")
+    return tenant + bytes.fromhex(meta.key) + parent + struct.pack("<I", meta.position)
+
+
+@dataclass(frozen=True)
+class EnvelopeInfo:
+    """What an envelope's header says in clear: enough for a restart scan."""
+
+    key: str
+    parent: str  # "" for a prompt's first chunk
+    position: int
+    tenant: str
+    size: int  # header plus stored bytes: the file or object's whole length
+
+
+def _check_header(header: memoryview) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The envelope header's fields (before and after ``stored_len``), checked."""
+    if header.nbytes < HEADER_SIZE:
+        raise codec.ChunkCorrupt("envelope shorter than its header")
+    header = header[:HEADER_SIZE]
+    if bytes(header[:4]) != MAGIC:
+        raise codec.ChunkCorrupt("not an envelope: bad magic")
+    (crc,) = _HCRC.unpack(header[-_HCRC.size :])
+    if xxhash.xxh32_intdigest(header[: -_HCRC.size]) != crc:
+        raise codec.ChunkCorrupt("envelope header checksum mismatch")
+    head = _HEAD.unpack(header[: _HEAD.size])
+    if head[1] != VERSION or head[2] >= len(CODECS):
+        raise codec.ChunkMismatch(f"envelope version {head[1]}, codec {head[2]}: unknown here")
+    if head[5] > MAX_RAW:
+        raise codec.ChunkCorrupt(f"envelope announces {head[5]} B, over {MAX_RAW}")
+    return head, _TAIL.unpack(header[_HEAD.size : _HEAD.size + _TAIL.size])
+
+
+def describe(header: bytes | bytearray | memoryview) -> EnvelopeInfo:
+    """Check an envelope's header (its first ``HEADER_SIZE`` bytes) and say what it holds;
+    ``ChunkError`` when it is not a well-formed one. Needs no key."""
+    head, tail = _check_header(memoryview(header).cast("B"))
+    _nonce, tenant, key, parent, position = tail
+    try:
+        name = tenant.rstrip(b"\0").decode()
+    except UnicodeDecodeError:
+        raise codec.ChunkCorrupt("tenant is not UTF-8") from None
+    return EnvelopeInfo(key.hex(), "" if parent == _NO_PARENT else parent.hex(),
+                        int(position), name, HEADER_SIZE + int(head[6]))  # fmt: skip
 
 
 def is_envelope(buf: bytes | bytearray | memoryview) -> bool:
@@ -256,15 +309,16 @@ class AtRest:
         mv = memoryview(blob).cast("B")
         if not self.active:
             return bytes(mv)
-        tenant = _tenant_of(mv)
+        fields = _fields_of(mv)
         body = _compress(self.codec, mv, self.level)
         kid = (self.keys.active or 0) if self.keys is not None else 0
         stored_len = len(body) + (TAG_SIZE if kid else 0)
         head = _HEAD.pack(MAGIC, VERSION, _CODEC_ID[self.codec], 0, kid, mv.nbytes, stored_len)
         nonce = os.urandom(NONCE_SIZE) if kid else b"\0" * NONCE_SIZE
+        aad = head + nonce + fields
         if kid and self.keys is not None:
-            body = self.keys.aead(kid, tenant).encrypt(nonce, body, head + nonce + tenant)
-        fixed = head + _TAIL.pack(nonce, tenant, xxhash.xxh3_64_intdigest(body))
+            body = self.keys.aead(kid, fields[:TENANT_SIZE]).encrypt(nonce, body, aad)
+        fixed = aad + _SUM.pack(xxhash.xxh3_64_intdigest(body))
         header = fixed + b"\0" * (HEADER_SIZE - len(fixed) - _HCRC.size)
         header += _HCRC.pack(xxhash.xxh32_intdigest(header))
         return header + body
@@ -279,18 +333,11 @@ class AtRest:
             if self.keys is not None:
                 raise PlainRefused("a plaintext copy in a tier that seals every chunk")
             return mv
-        if mv.nbytes < HEADER_SIZE:
-            raise codec.ChunkCorrupt("envelope shorter than its header")
-        header = mv[:HEADER_SIZE]
-        (crc,) = _HCRC.unpack(header[-_HCRC.size :])
-        if xxhash.xxh32_intdigest(header[: -_HCRC.size]) != crc:
-            raise codec.ChunkCorrupt("envelope header checksum mismatch")
-        _, version, cid, _flags, kid, raw_len, stored_len = _HEAD.unpack(header[: _HEAD.size])
-        nonce, tenant, sx = _TAIL.unpack(header[_HEAD.size : _HEAD.size + _TAIL.size])
-        if version != VERSION or cid >= len(CODECS):
-            raise codec.ChunkMismatch(f"envelope version {version}, codec {cid}: unknown here")
-        if raw_len > MAX_RAW:
-            raise codec.ChunkCorrupt(f"envelope announces {raw_len} B, over {MAX_RAW}")
+        head, tail = _check_header(mv)
+        _, _, cid, _flags, kid, raw_len, stored_len = head
+        nonce, tenant = tail[0], tail[1]
+        aad_len = _HEAD.size + _TAIL.size
+        (sx,) = _SUM.unpack(mv[aad_len : aad_len + _SUM.size])
         body = mv[HEADER_SIZE:]
         if body.nbytes != stored_len:
             raise codec.ChunkCorrupt(f"envelope holds {body.nbytes} B, announces {stored_len}")
@@ -300,7 +347,7 @@ class AtRest:
         if kid:
             if self.keys is None:
                 raise KeyUnavailable(f"sealed under key {kid}; this reader holds no keys")
-            aad = bytes(header[: _HEAD.size]) + nonce + tenant
+            aad = bytes(mv[:aad_len])
             try:
                 plain = self.keys.aead(kid, tenant).decrypt(nonce, bytes(body), aad)
             except InvalidTag:

@@ -87,8 +87,20 @@ class DramConfig(TierPolicy):
     keep_on_stop: bool = True
 
 
-class NvmeConfig(TierPolicy):
+class AtRestPolicy(TierPolicy):
+    """The settings of a tier whose bytes outlive the node's memory (NVMe, S3)."""
+
     enabled: bool = False
+    # At rest (tiered_cache.at_rest, docs/operations.md "At rest"): how this tier's writes
+    # are stored; a reader opens every codec whatever its own.
+    codec: CodecName = "none"
+    # Seal every chunk with AES-256-GCM under its tenant's key, derived from the key ring in
+    # $TIERED_CACHE_AT_REST_KEYS or the file $TIERED_CACHE_AT_REST_KEY_FILE names (never
+    # from this file). A sealing reader takes plaintext copies for misses.
+    encrypt: bool = False
+
+
+class NvmeConfig(AtRestPolicy):
     path: str = Field(default_factory=lambda: os.path.join(default_runtime_dir(), "nvme"))
     capacity: Size = parse_size("10GiB")
     write_mode: WriteMode = "write_back"
@@ -96,8 +108,7 @@ class NvmeConfig(TierPolicy):
     max_concurrency: int = Field(8, ge=1, le=256)
 
 
-class S3Config(TierPolicy):
-    enabled: bool = False
+class S3Config(AtRestPolicy):
     url: str = ""  # s3://bucket/prefix
     endpoint_url: str | None = None
     region: str | None = None
@@ -111,13 +122,6 @@ class S3Config(TierPolicy):
     # written or read go first; a forgotten object is found again by a HEAD). With one,
     # every object is indexed: each counts against the budget.
     index_max_entries: int = Field(100_000, ge=1)
-    # At rest (tiered_cache.at_rest, docs/operations.md "At rest"): how this tier's writes
-    # are stored; a reader opens every codec whatever its own.
-    codec: CodecName = "none"
-    # Seal every chunk with AES-256-GCM under its tenant's key, derived from the key ring in
-    # $TIERED_CACHE_AT_REST_KEYS or the file $TIERED_CACHE_AT_REST_KEY_FILE names (never
-    # from this file). A sealing reader takes plaintext copies for misses.
-    encrypt: bool = False
 
     @model_validator(mode="after")
     def _url(self) -> S3Config:
@@ -294,9 +298,7 @@ class CacheConfig(_Strict):
     @property
     def kv_events_state_path(self) -> str:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.node_id)
-        return self.kv_events.state_path or os.path.join(
-            default_runtime_dir(), f"{safe}.kvevents"
-        )
+        return self.kv_events.state_path or os.path.join(default_runtime_dir(), f"{safe}.kvevents")
 
     @property
     def dram_shm_name(self) -> str:

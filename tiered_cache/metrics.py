@@ -124,6 +124,18 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+        self.at_rest_unopened = Counter(
+            p + "at_rest_unopened",
+            "Enveloped copies read but not opened (reason: key, plain, tag, damaged)",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.at_rest_bytes = Counter(
+            p + "at_rest_bytes",
+            "Bytes of chunks enveloped for writes, before (form=raw) and after (form=stored)",
+            ["tier", "form"],
+            registry=r,
+        )
         self.pinned_bytes = Gauge(p + "pinned_bytes", "Pinned bytes", ["tier"], registry=r)
         self.used_bytes = Gauge(p + "used_bytes", "Bytes used", ["tier"], registry=r)
         self.capacity_bytes = Gauge(p + "capacity_bytes", "Capacity", ["tier"], registry=r)

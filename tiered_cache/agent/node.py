@@ -17,8 +17,8 @@ from tiered_cache.agent.admin import AdminOps
 from tiered_cache.agent.local import Handler, LocalServer
 from tiered_cache.agent.peers import PeerLink, chunk_mac_key
 from tiered_cache.agent.sync import DirectorySync
-from tiered_cache.at_rest import ENV_KEY_FILE, ENV_KEYS, AtRest, CodecName, KeyRing
-from tiered_cache.config import CacheConfig, ConfigError
+from tiered_cache.at_rest import ENV_KEY_FILE, ENV_KEYS, AtRest, KeyRing
+from tiered_cache.config import AtRestPolicy, CacheConfig, ConfigError
 from tiered_cache.directory import Directory, LocalDirectory, ModelRegistration, RedisDirectory
 from tiered_cache.hierarchy import TieredStore, TierSlot
 from tiered_cache.kv_events import KVEvents
@@ -36,19 +36,20 @@ def _policy_kwargs(p: Any) -> dict[str, Any]:
     return {"k": p.admission_k} if p.admission.lower() == "frequency" else {}
 
 
-def _at_rest(codec_name: CodecName, encrypt: bool, where: str) -> AtRest:
+def _at_rest(c: AtRestPolicy, where: str) -> AtRest:
     """How a tier stores its chunks at rest; resolved before any tier is built, so a
     missing key ring stops start-up with nothing to tear down."""
+    encrypt = c.enabled and c.encrypt
     keys = KeyRing.from_env() if encrypt else None
     if encrypt and keys is None:
         raise ConfigError(f"{where}.encrypt: no key ring; set ${ENV_KEYS} or ${ENV_KEY_FILE}")
-    return AtRest(codec=codec_name, keys=keys)
+    return AtRest(codec=c.codec, keys=keys)
 
 
 def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True) -> list[TierSlot]:
     from tiered_cache.tiers.dram import DRAMTier
 
-    s3_at_rest = _at_rest(cfg.s3.codec, cfg.s3.enabled and cfg.s3.encrypt, "s3")
+    nvme_at_rest, s3_at_rest = _at_rest(cfg.nvme, "nvme"), _at_rest(cfg.s3, "s3")
     slots: list[TierSlot] = []
     tiers: list[tuple[Any, Tier]] = []
     if cfg.dram.enabled:
@@ -67,17 +68,15 @@ def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True
     if cfg.nvme.enabled:
         from tiered_cache.tiers.nvme import NVMeTier
 
+        nvme = NVMeTier(
+            cfg.nvme.path,
+            cfg.nvme.capacity,
+            max_concurrency=cfg.nvme.max_concurrency,
+            o_direct=cfg.nvme.o_direct,
+            metrics=metrics,
+        )
         tiers.append(
-            (
-                cfg.nvme,
-                NVMeTier(
-                    cfg.nvme.path,
-                    cfg.nvme.capacity,
-                    max_concurrency=cfg.nvme.max_concurrency,
-                    o_direct=cfg.nvme.o_direct,
-                    metrics=metrics,
-                ),
-            )
+            (cfg.nvme, EnvelopedTier(nvme, nvme_at_rest, metrics) if nvme_at_rest.active else nvme)
         )
     if cfg.s3.enabled:
         from tiered_cache.tiers.s3 import S3Tier
@@ -94,7 +93,7 @@ def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True
             index_max_entries=cfg.s3.index_max_entries,
             metrics=metrics,
         )
-        tiers.append((cfg.s3, EnvelopedTier(s3, s3_at_rest) if s3_at_rest.active else s3))
+        tiers.append((cfg.s3, EnvelopedTier(s3, s3_at_rest, metrics) if s3_at_rest.active else s3))
     for tc, tier in tiers:
         slots.append(
             TierSlot(

@@ -225,8 +225,10 @@ class SlotsMixin:
         """Promote an NVMe chunk by reading the file straight into a DRAM slot and
         verifying it there: one copy instead of read + encode + copy."""
         slot = self.by_name.get("nvme")
-        size = slot.tier.size_of(key) if slot is not None else None
-        if slot is None or size is None or not dram.fits(size):
+        if slot is None or not slot.tier.stores_chunks_as_is:  # an envelope: read, open, copy
+            return None
+        size = slot.tier.size_of(key)
+        if size is None or not dram.fits(size):
             return None
         t0 = time.perf_counter()
         s = await self.reserve_dram(size)

@@ -37,6 +37,9 @@ class Tier(abc.ABC):
     #: Write-error reasons the tier counts in ``write_errors`` itself (it also runs alone,
     #: in benches and tests); the tiered store counts the others, so none counts twice.
     counts_write_errors: frozenset[str] = frozenset()
+    #: The stored bytes are the encoded chunk itself, so ``size_of`` is its size and
+    #: ``get_into`` can fill a DRAM slot with it directly (false under an at-rest envelope).
+    stores_chunks_as_is: bool = True
 
     @abc.abstractmethod
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:

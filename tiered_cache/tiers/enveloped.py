@@ -1,5 +1,5 @@
 """A tier that keeps each chunk in an at-rest envelope (``tiered_cache.at_rest``):
-compressed, sealed, or both. It wraps another tier (composition: the inner tier stores,
+compressed, sealed, or both (S3 and NVMe). It wraps another tier (composition: the inner tier stores,
 indexes, evicts and accounts the envelope's bytes as it would any chunk's).
 
 Reads give back the chunk's encoded bytes, which the hierarchy verifies as for any tier.
@@ -13,7 +13,9 @@ A copy this reader cannot open is never handed on as data:
 - damaged: the stored bytes are returned as they are, so the hierarchy's own
   verification fails on them and removes the copy, as for any damaged chunk.
 
-Either way the reason is counted in ``unopened`` ("key", "plain", "tag", "damaged"). Wrapping and unwrapping run in a
+Either way the reason is counted in ``unopened`` ("key", "plain", "tag", "damaged") and
+in ``tiered_cache_at_rest_unopened_total{tier, reason}``; ``at_rest_bytes_total{form}``
+counts the bytes written before and after the envelope (the codec's ratio). Wrapping and unwrapping run in a
 thread: zstd and AES-GCM take milliseconds per chunk, too long for the event loop.
 """
 
@@ -28,6 +30,7 @@ from typing import Any
 from tiered_cache import codec
 from tiered_cache.at_rest import AtRest, KeyUnavailable, PlainRefused
 from tiered_cache.logthrottle import LogThrottle
+from tiered_cache.metrics import Metrics
 from tiered_cache.tiers.base import Tier, TierUsage
 
 log = logging.getLogger(__name__)
@@ -37,15 +40,18 @@ _INLINE_BYTES = 64 * 1024
 
 
 class EnvelopedTier(Tier):
-    def __init__(self, inner: Tier, at_rest: AtRest) -> None:
+    stores_chunks_as_is = False  # envelopes: sizes and bytes are not the chunk's
+
+    def __init__(self, inner: Tier, at_rest: AtRest, metrics: Metrics | None = None) -> None:
         if not at_rest.active:
             raise ValueError("an EnvelopedTier needs a codec or keys (else use the tier)")
         self.inner = inner
         self.at_rest = at_rest
         self.name = inner.name
         self.counts_write_errors = inner.counts_write_errors
-        #: reason -> copies read but not opened
+        #: reason -> copies read but not opened (also ``at_rest_unopened_total``)
         self.unopened: Counter[str] = Counter()
+        self._metrics = metrics
 
     def __repr__(self) -> str:
         sealed = self.at_rest.keys is not None
@@ -77,19 +83,28 @@ class EnvelopedTier(Tier):
         except (KeyUnavailable, PlainRefused, codec.ChunkForged) as e:
             reason = ("key" if isinstance(e, KeyUnavailable)
                       else "plain" if isinstance(e, PlainRefused) else "tag")  # fmt: skip
-            self.unopened[reason] += 1
+            self._unopened(reason)
             _THROTTLE.log((self.name, reason), logging.WARNING,
                           "%s copy of %s not opened here: %s", self.name, key, e)  # fmt: skip
             return None
         except codec.ChunkError as e:
-            self.unopened["damaged"] += 1
+            self._unopened("damaged")
             _THROTTLE.log((self.name, "damaged"), logging.WARNING,
                           "%s envelope of %s: %s", self.name, key, e)  # fmt: skip
             return stored  # fails the hierarchy's verification, which removes the copy
         return plain if isinstance(plain, bytes | bytearray) else bytes(plain)
 
+    def _unopened(self, reason: str) -> None:
+        self.unopened[reason] += 1
+        if self._metrics is not None:
+            self._metrics.at_rest_unopened.labels(tier=self.name, reason=reason).inc()
+
     async def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.put(key, await self._run(self.at_rest.wrap, data))
+        stored = await self._run(self.at_rest.wrap, data)
+        await self.inner.put(key, stored)
+        if self._metrics is not None:
+            self._metrics.at_rest_bytes.labels(tier=self.name, form="raw").inc(len(data))
+            self._metrics.at_rest_bytes.labels(tier=self.name, form="stored").inc(len(stored))
 
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return await self.inner.contains_many(keys)

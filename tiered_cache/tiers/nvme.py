@@ -22,7 +22,8 @@ restart scan drops any file whose size or header does not check out). A reader t
 file keeps reading the old inode, so a put racing a get cannot tear it either.
 
 Restart scan: every ``*.kvc`` has its 256-byte header parsed and checked (header checksum,
-key == file name, file size == header + payload length); anything else is deleted and
+key == file name, file size == header + payload length; for an at-rest envelope, the
+envelope's clear header: ``at_rest.describe``); anything else is deleted and
 counted in ``verification_failures{tier="nvme"}``. The *payload* checksum is not verified
 here: that would mean reading the whole disk (100s of GB) before serving. ``get`` returns
 bytes unverified, and the hierarchy verifies each chunk with ``codec.decode`` when it is
@@ -60,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from tiered_cache import codec
+from tiered_cache import at_rest, codec
 from tiered_cache.keys import is_valid_key
 from tiered_cache.metrics import Metrics
 from tiered_cache.private_dir import refuse_foreign
@@ -296,14 +297,19 @@ class NVMeTier(Tier):
             with open(fpath, "rb", buffering=0) as f:
                 header = f.read(codec.HEADER_SIZE)
                 size = os.fstat(f.fileno()).st_size
-            meta, payload_len, _ = codec.parse_header(header)
-            if meta.key != key:
-                raise codec.ChunkCorrupt(f"header is for key {meta.key}")
-            if size != codec.HEADER_SIZE + payload_len:
-                raise codec.ChunkCorrupt(
-                    f"size {size} != header {codec.HEADER_SIZE} + payload {payload_len}"
-                )
-            return size, meta.parent, meta.position, meta.tenant
+            if at_rest.is_envelope(header):  # compressed or sealed: its clear fields say
+                info = at_rest.describe(header)
+                meta_key, want, fields = info.key, info.size, (info.parent, info.position,
+                                                               info.tenant)  # fmt: skip
+            else:
+                meta, payload_len, _ = codec.parse_header(header)
+                meta_key, want = meta.key, codec.HEADER_SIZE + payload_len
+                fields = (meta.parent, meta.position, meta.tenant)
+            if meta_key != key:
+                raise codec.ChunkCorrupt(f"header is for key {meta_key}")
+            if size != want:
+                raise codec.ChunkCorrupt(f"size {size} != {want} (its header's length)")
+            return size, *fields
         except (OSError, ValueError, codec.ChunkError) as e:  # ValueError: undecodable text
             log.warning("discarding NVMe chunk %s: %s", fpath, e)
             return None
