@@ -18,7 +18,7 @@ LMCache                                    tiered-cache
 ``extra_config.use_odirect``               ``nvme.o_direct``
 ``extra_config.s3_num_io_threads``         ``s3.max_concurrency``
 ``extra_config.tiered_cache``              our own settings (CacheConfig schema, less the
-                                           keys above)
+                                           keys above), e.g. ``nvme.codec``, ``s3.encrypt``
 =========================================  ===============================================
 
 Every other LMCache key that the file or environment sets to a non-default value is
@@ -95,6 +95,7 @@ _HINTS = {
     "save_decode_cache": "tiered-cache saves prompt KV only",
     "pin_timeout_sec": "tiered-cache lookups pin nothing",
     "pin_check_interval_sec": "tiered-cache lookups pin nothing",
+    "remote_serde": "set extra_config.tiered_cache.<nvme|s3>.codec and .encrypt instead",
     "extra_config.aws_access_key_id": "use the AWS credential chain instead",
     "extra_config.aws_secret_access_key": "use the AWS credential chain instead",
 }
@@ -296,8 +297,7 @@ class _Mapper:
         except ValidationError as e:
             # Everything LMCache-derived was checked above, so what is left is ours.
             raise ConfigError(
-                f"{self.where}: "
-                f"{format_validation_error(e, 'extra_config.tiered_cache', env=env)}"
+                f"{self.where}: {format_validation_error(e, 'extra_config.tiered_cache', env=env)}"
             ) from None
 
     def _size(self, name: str) -> float:

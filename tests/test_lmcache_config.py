@@ -145,6 +145,36 @@ extra_config:
     assert "AWS credential chain" in caplog.text
 
 
+def test_at_rest_settings_ride_in_extra_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # LMCache's remote_serde (its own CacheGen/serde path) means nothing to our tiers: it is
+    # named with the keys that do the same here, and those pass through to each tier.
+    p = write(
+        tmp_path,
+        f"""\
+local_disk: "file://{tmp_path}/disk"
+max_local_disk_size: 1
+remote_url: "s3://kv-bucket/p"
+remote_serde: "cachegen"
+extra_config:
+  tiered_cache:
+    nvme: {{codec: zstd, encrypt: true}}
+    s3: {{codec: zstd-planes, encrypt: true}}
+""",
+    )
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        cfg = load_config(p)
+    assert (cfg.nvme.codec, cfg.nvme.encrypt) == ("zstd", True)
+    assert (cfg.s3.codec, cfg.s3.encrypt) == ("zstd-planes", True)
+    assert ignored(caplog) == ["remote_serde"]
+    assert "extra_config.tiered_cache.<nvme|s3>.codec" in caplog.text
+    bad = write(tmp_path, "local_cpu: true\nextra_config: {tiered_cache: {s3: {codec: lz5}}}\n",
+                "bad.yaml")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"extra_config\.tiered_cache\.s3\.codec"):
+        load_config(bad)
+
+
 def test_example_sglang_layerwise(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # examples/sgl_integration/lmcache_config.yaml
     p = write(
