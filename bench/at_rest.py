@@ -1,7 +1,8 @@
 """What at-rest envelopes cost and save (tiered_cache.at_rest), against a memcpy and the
 chunk checksum of the same bytes in the same run.
 
-For each codec, sealed and not: bytes stored per byte of chunk, and wrap (write side) and
+For each codec, sealed and not: bytes stored per byte of chunk, the largest error over
+the largest value (0 but for the lossy ``fp8``), and wrap (write side) and
 unwrap (read side) throughput on one core, as a ratio of a memcpy of the chunk. The chunk
 is an encoded chunk whose payload is bf16 values of unit-normal activations (the top
 16 bits of float32s). A trained model's KV is not unit-normal; its exponent plane is what
@@ -34,9 +35,21 @@ def chunk(mib: int) -> bytes:
     n = mib * 2**20 // 2
     x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
     payload = (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    shape = (16, 4, 8, 16, n // 8192)  # [layers, blocks, heads, tokens, C], as the connector's
     meta = codec.ChunkMeta(key="ab" * 16, fingerprint=hashlib.md5(b"m").digest(),
-                           num_tokens=256, dtype="bfloat16", shape=(n,), tenant="acme")  # fmt: skip
+                           num_tokens=64, dtype="bfloat16", shape=shape, tenant="acme")  # fmt: skip
     return codec.encode(meta, payload)
+
+
+def max_rel_error(blob: bytes, got: bytes) -> float:
+    """The largest |error| over the largest |value|: 0 for a lossless codec."""
+
+    def values(b: bytes) -> np.ndarray:
+        bits = np.frombuffer(b, dtype=np.uint16, offset=codec.HEADER_SIZE).astype(np.uint32)
+        return (bits << 16).view(np.float32)
+
+    x, y = values(blob), values(got)
+    return round(float(np.abs(y - x).max() / np.abs(x).max()), 5)
 
 
 def gbps(fn: Callable[[], object], nbytes: int, repeats: int) -> float:
@@ -66,20 +79,21 @@ def main() -> None:
     print(f"{a.mib} MiB chunk: memcpy {memcpy:.2f} GB/s, xxh3 {xxh:.2f} GB/s", file=sys.stderr)
     ring = KeyRing.parse("1 " + bytes(range(32)).hex(), "bench")
     rows: list[dict[str, Any]] = []
-    print(f"{'codec':12s} {'sealed':6s} {'stored':>7s} {'wrap GB/s':>10s} {'x memcpy':>9s} "
-          f"{'unwrap GB/s':>12s} {'x memcpy':>9s}", file=sys.stderr)  # fmt: skip
+    print(f"{'codec':12s} {'sealed':6s} {'stored':>7s} {'max err':>8s} {'wrap GB/s':>10s} "
+          f"{'x memcpy':>9s} {'unwrap GB/s':>12s} {'x memcpy':>9s}", file=sys.stderr)  # fmt: skip
     for name in at_rest.CODECS:
         for sealed in (False, True):
             ar = AtRest(codec=name, keys=ring if sealed else None)
             stored = ar.wrap(blob)
-            assert bytes(ar.unwrap(stored)) == blob
+            err = max_rel_error(blob, bytes(ar.unwrap(stored)))
+            assert name not in at_rest.LOSSLESS or err == 0
             w = gbps(lambda ar=ar: ar.wrap(blob), n, a.repeats)  # type: ignore[misc]
             r = gbps(lambda ar=ar, s=stored: ar.unwrap(s), n, a.repeats)  # type: ignore[misc]
             row = {"codec": name, "sealed": sealed, "stored_ratio": round(len(stored) / n, 4),
-                   "wrap_gbps": round(w, 3), "unwrap_gbps": round(r, 3),
+                   "max_rel_error": err, "wrap_gbps": round(w, 3), "unwrap_gbps": round(r, 3),
                    "wrap_vs_memcpy": round(w / memcpy, 3), "unwrap_vs_memcpy": round(r / memcpy, 3)}  # fmt: skip
             rows.append(row)
-            print(f"{name:12s} {sealed!s:6s} {row['stored_ratio']:7.3f} {w:10.2f} "
+            print(f"{name:12s} {sealed!s:6s} {row['stored_ratio']:7.3f} {err:8.4f} {w:10.2f} "
                   f"{w / memcpy:9.3f} {r:12.2f} {r / memcpy:9.3f}", file=sys.stderr)  # fmt: skip
     if a.json:
         print(json.dumps({"chunk_bytes": n, "memcpy_gbps": round(memcpy, 3),

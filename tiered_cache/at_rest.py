@@ -18,7 +18,12 @@ Layout (little endian), a 128-byte header then the stored bytes::
   codec (or none) still reads the copy right: the envelope, not the reader's config, says.
   ``zstd`` runs the chunk through Zstandard; ``zstd-planes`` first splits its 16-bit values
   into a plane of high bytes and one of low bytes, which groups a bf16/fp16 cache's
-  exponents (repetitive) apart from its mantissas (noise).
+  exponents (repetitive) apart from its mantissas (noise). ``fp8`` is lossy: a bf16 or
+  fp16 payload as e4m3 with a scale per (layer, KV head) (``tiered_cache.fp8``); the
+  envelope keeps a chunk header for the payload readers will rebuild, its checksum and
+  MAC (the writer's ``mac_key``) computed over that, so the hierarchy verifies the rebuilt
+  chunk as any other and nobody without the key can plant one. A payload of another
+  dtype is stored as it is (codec ``none``).
 - ``key_id`` 0 is plaintext. Otherwise the compressed bytes are sealed with AES-256-GCM
   under a per-tenant data key, HKDF-SHA256 of the key ring's master key ``key_id`` and
   the tenant's name. The header up to the stored bytes' checksum is the AEAD's associated
@@ -37,6 +42,7 @@ treat as a miss.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -52,7 +58,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from tiered_cache import codec
+from tiered_cache import codec, fp8
 
 MAGIC = b"TKVR"
 VERSION = 2
@@ -64,8 +70,9 @@ NONCE_SIZE = 12
 TAG_SIZE = 16
 TENANT_SIZE = codec.TENANT_SIZE
 
-CodecName = Literal["none", "zstd", "zstd-planes"]
+CodecName = Literal["none", "zstd", "zstd-planes", "fp8"]
 CODECS: tuple[CodecName, ...] = get_args(CodecName)
+LOSSLESS: tuple[CodecName, ...] = ("none", "zstd", "zstd-planes")
 _CODEC_ID: dict[str, int] = {name: i for i, name in enumerate(CODECS)}
 
 _HEAD = struct.Struct("<4sBBHIQQ")  # magic .. stored_len: the AAD begins
@@ -211,11 +218,36 @@ def _frame(buf: bytes | memoryview, size: int) -> bytes:
     return zstandard.ZstdDecompressor().decompress(buf, max_output_size=size)
 
 
+def _fp8_encode(mv: memoryview, mac_key: bytes | None) -> bytes | None:
+    """A rebuilt chunk's header, then the fp8 payload; None for a payload fp8 cannot take."""
+    meta, n, _ = codec.parse_header(mv)
+    if not fp8.supported(meta.dtype, meta.shape) or n != 2 * math.prod(meta.shape):
+        return None
+    values = np.frombuffer(mv[codec.HEADER_SIZE :], dtype="<u2").reshape(meta.shape)
+    body = fp8.encode(values, meta.dtype)
+    rebuilt = fp8.decode(body, meta.shape, meta.dtype)
+    return codec.pack_header(meta, rebuilt.data, mac_key=mac_key) + body
+
+
+def _fp8_decode(plain: bytes | memoryview) -> bytes:
+    mv = memoryview(plain)
+    meta, n, _ = codec.parse_header(mv)
+    if not fp8.supported(meta.dtype, meta.shape) or n != 2 * math.prod(meta.shape):
+        raise codec.ChunkCorrupt(f"fp8: a {meta.dtype} payload of shape {meta.shape}")
+    try:
+        values = fp8.decode(mv[codec.HEADER_SIZE :], meta.shape, meta.dtype)
+    except ValueError as e:
+        raise codec.ChunkCorrupt(str(e)) from None
+    return bytes(mv[: codec.HEADER_SIZE]) + values.tobytes()
+
+
 def _decompress(name: CodecName, plain: bytes | memoryview, raw_len: int) -> bytes | memoryview:
     if name == "none":
         return plain
     if name == "zstd":
         return _frame(plain, raw_len)
+    if name == "fp8":
+        return _fp8_decode(plain)
     mv = memoryview(plain)
     if mv.nbytes < _LEN.size:
         raise codec.ChunkCorrupt("byte planes: no length")
@@ -293,6 +325,9 @@ class AtRest:
     #: Zstandard's level: 1-3 keep up with NVMe on one core; higher buys little on KV.
     level: int = 1
     keys: KeyRing | None = None
+    #: The cluster's chunk key (``codec.chunk_mac_key``): ``fp8`` signs the chunk readers
+    #: will rebuild with it, as the writer signed the original.
+    mac_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -310,10 +345,13 @@ class AtRest:
         if not self.active:
             return bytes(mv)
         fields = _fields_of(mv)
-        body = _compress(self.codec, mv, self.level)
+        name, lossy = self.codec, _fp8_encode(mv, self.mac_key) if self.codec == "fp8" else None
+        if name == "fp8" and lossy is None:
+            name = "none"  # not a 16-bit float payload: kept as it is
+        body = lossy if lossy is not None else _compress(name, mv, self.level)
         kid = (self.keys.active or 0) if self.keys is not None else 0
         stored_len = len(body) + (TAG_SIZE if kid else 0)
-        head = _HEAD.pack(MAGIC, VERSION, _CODEC_ID[self.codec], 0, kid, mv.nbytes, stored_len)
+        head = _HEAD.pack(MAGIC, VERSION, _CODEC_ID[name], 0, kid, mv.nbytes, stored_len)
         nonce = os.urandom(NONCE_SIZE) if kid else b"\0" * NONCE_SIZE
         aad = head + nonce + fields
         if kid and self.keys is not None:

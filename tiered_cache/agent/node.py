@@ -36,20 +36,21 @@ def _policy_kwargs(p: Any) -> dict[str, Any]:
     return {"k": p.admission_k} if p.admission.lower() == "frequency" else {}
 
 
-def _at_rest(c: AtRestPolicy, where: str) -> AtRest:
+def _at_rest(c: AtRestPolicy, where: str, mac_key: bytes | None) -> AtRest:
     """How a tier stores its chunks at rest; resolved before any tier is built, so a
     missing key ring stops start-up with nothing to tear down."""
     encrypt = c.enabled and c.encrypt
     keys = KeyRing.from_env() if encrypt else None
     if encrypt and keys is None:
         raise ConfigError(f"{where}.encrypt: no key ring; set ${ENV_KEYS} or ${ENV_KEY_FILE}")
-    return AtRest(codec=c.codec, keys=keys)
+    return AtRest(codec=c.codec, keys=keys, mac_key=mac_key)
 
 
 def build_tiers(cfg: CacheConfig, metrics: Metrics, *, recover_dram: bool = True) -> list[TierSlot]:
     from tiered_cache.tiers.dram import DRAMTier
 
-    nvme_at_rest, s3_at_rest = _at_rest(cfg.nvme, "nvme"), _at_rest(cfg.s3, "s3")
+    mac = chunk_mac_key(cfg.agent)
+    nvme_at_rest, s3_at_rest = _at_rest(cfg.nvme, "nvme", mac), _at_rest(cfg.s3, "s3", mac)
     slots: list[TierSlot] = []
     tiers: list[tuple[Any, Tier]] = []
     if cfg.dram.enabled:
