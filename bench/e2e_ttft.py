@@ -429,44 +429,25 @@ def main() -> None:
         print(json.dumps(res, indent=1))
 
 
-def run(
-    work: Path,
-    runs: int,
-    procs: list[subprocess.Popen[bytes]],
-    servers: list[VllmServer],
-    agents: list[Agent],
-) -> dict[str, Any]:
+def make_model() -> Path:
+    """The bench's random-weight Llama (built once, then reused)."""
     model = REPO / ".models" / "bench-bf16"
     say(f"model: {model} (hidden 1024, 12 layers, 4 KV heads, bf16)")
     subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "make_tiny_model.py"),
-            "--out",
-            str(model),
-            "--preset",
-            "bench",
-            "--dtype",
-            "bfloat16",
-        ],
+        [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model),
+         "--preset", "bench", "--dtype", "bfloat16"],
         check=True,
         env=server_env(),
         stdout=subprocess.DEVNULL,
-    )
-    rng = np.random.default_rng(7)
-    prompt = [int(x) for x in rng.integers(10, 500, PROMPT_TOKENS)]
+    )  # fmt: skip
+    return model
 
-    # Node B (the peer-hit and S3-hit decode) runs in its own network namespace when this
-    # machine allows it, as another node would: its peer pulls cross a veth link to node
-    # A, and a raw socket over the same link is the reference.
-    from tiered_cache.netns import NetNodes, unavailable_reason
 
-    why = unavailable_reason()
-    net = NetNodes(["b"]) if why is None else None
-    if net is not None:
-        _NETS.append(net)
-    host = net.host_ip if net is not None else "127.0.0.1"
-    say(f"node B: {'network namespace ' + net.addr('b') if net else 'loopback (' + str(why) + ')'}")
+def start_redis_moto(
+    work: Path, procs: list[subprocess.Popen[bytes]], host: str
+) -> tuple[str, str]:
+    """Redis and moto on ``host`` for the whole run, with the bucket "bench" made: their
+    URLs."""
     redis_port, s3_port = free_port(), free_port()
     procs.append(
         spawn(
@@ -503,7 +484,32 @@ def run(
             break
         time.sleep(0.2)
     boto3.client("s3", endpoint_url=s3_url).create_bucket(Bucket="bench")
-    redis_url = f"redis://{host}:{redis_port}/0"
+    return f"redis://{host}:{redis_port}/0", s3_url
+
+
+def run(
+    work: Path,
+    runs: int,
+    procs: list[subprocess.Popen[bytes]],
+    servers: list[VllmServer],
+    agents: list[Agent],
+) -> dict[str, Any]:
+    model = make_model()
+    rng = np.random.default_rng(7)
+    prompt = [int(x) for x in rng.integers(10, 500, PROMPT_TOKENS)]
+
+    # Node B (the peer-hit and S3-hit decode) runs in its own network namespace when this
+    # machine allows it, as another node would: its peer pulls cross a veth link to node
+    # A, and a raw socket over the same link is the reference.
+    from tiered_cache.netns import NetNodes, unavailable_reason
+
+    why = unavailable_reason()
+    net = NetNodes(["b"]) if why is None else None
+    if net is not None:
+        _NETS.append(net)
+    host = net.host_ip if net is not None else "127.0.0.1"
+    say(f"node B: {'network namespace ' + net.addr('b') if net else 'loopback (' + str(why) + ')'}")
+    redis_url, s3_url = start_redis_moto(work, procs, host)
 
     def agent_cfg(node: str, *, nvme: bool, s3: bool) -> dict[str, Any]:
         c: dict[str, Any] = {
@@ -767,9 +773,7 @@ def run(
         "lmcache_ours_nvme_only_l2_vs_lmcache_fs_l2": ratio(
             t("lmcache_mp_l2_ours_nvme_only_hit"), t("lmcache_mp_l2_fs_hit")
         ),
-        "lmcache_ours_nvme_only_l2_vs_recompute": ratio(
-            t("lmcache_mp_l2_ours_nvme_only_hit"), r
-        ),
+        "lmcache_ours_nvme_only_l2_vs_recompute": ratio(t("lmcache_mp_l2_ours_nvme_only_hit"), r),
     }
     # What each hit costs above the floor: the handoff itself (lookup, load, copy-in).
     fl = t("floor_prefix_cache_hit")

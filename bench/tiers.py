@@ -25,6 +25,7 @@ import platform
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from _common import stats as _stats
 from _common import time_interleaved as _interleaved
 
 from tiered_cache import codec
+from tiered_cache.at_rest import CodecName
 
 BATCH = 8  # chunks per call in the batched DRAM figures: one 2k-token prompt at 256 tokens
 
@@ -305,12 +307,176 @@ def bench_s3(size: int, iters: int) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------- at rest (issue 28)
+
+
+def _kv_chunk(key: str, size: int) -> bytes:
+    """A chunk of ``size`` payload bytes of bf16 unit-normal values in a connector chunk's
+    shape ([layers, blocks, heads, tokens, C]), so every codec has something to work on."""
+    n = size // 2
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    vals = (x.view(np.uint32) >> 16).astype(np.uint16)
+    shape = (16, 4, 8, 16, n // 8192) if n % 8192 == 0 else (n,)
+    meta = codec.ChunkMeta(key=key, fingerprint=FP.digest, num_tokens=64, dtype="bfloat16",
+                           shape=shape, kv_layout="LBHNC", block_size=16)  # fmt: skip
+    return codec.encode(meta, vals.tobytes())
+
+
+AT_REST: tuple[tuple[CodecName, bool], ...] = (
+    ("none", True), ("zstd", False), ("zstd-planes", False), ("fp8", False), ("fp8", True),
+)  # fmt: skip
+
+
+def bench_at_rest(size: int, iters: int, root: Path) -> dict[str, Any]:
+    """Reads as the hierarchy does them, per codec against plaintext in the same run:
+    NVMe (plain: straight into a DRAM slot, then verify; enveloped: read, open, verify,
+    copy into the slot) and S3 (get, open, verify). Reads only: writes go to NVMe and S3
+    behind the request (write-back or write-through after the DRAM put)."""
+    from tiered_cache.at_rest import AtRest, KeyRing
+    from tiered_cache.tiers.enveloped import EnvelopedTier
+    from tiered_cache.tiers.nvme import NVMeTier
+    from tiered_cache.tiers.s3 import S3Tier
+
+    ring = KeyRing.parse("1 " + bytes(range(32)).hex(), "bench")
+    keys = _keys(iters + 2, f"ar{size}")
+    blobs = {k: _kv_chunk(k, size) for k in keys}
+    total = len(blobs[keys[0]])
+    slot = mmap.mmap(-1, -(-total // 4096) * 4096)
+    view = memoryview(slot)
+
+    def key(i: int) -> str:
+        return keys[max(i, -2) + 2]
+
+    def label(name: str, sealed: bool) -> str:
+        return name + ("+aes" if sealed else "")
+
+    loop = asyncio.new_event_loop()
+    out: dict[str, Any] = {"nvme": {}, "s3": {}}
+    try:
+        tiers: dict[str, Any] = {}
+        plain = NVMeTier(root / "plain", None, o_direct=True)
+        for name, sealed in AT_REST:
+            inner = NVMeTier(root / label(name, sealed), None, o_direct=True)
+            tiers[label(name, sealed)] = EnvelopedTier(
+                inner, AtRest(codec=name, keys=ring if sealed else None)
+            )
+        for k in keys:
+            loop.run_until_complete(plain.put(k, blobs[k]))
+            for t in tiers.values():
+                loop.run_until_complete(t.put(k, blobs[k]))
+
+        def plain_read(i: int) -> None:
+            n = loop.run_until_complete(plain.get_into(key(i), view))
+            codec.decode(view[: n or 0])
+
+        def enveloped(t: Any) -> Callable[[int], None]:
+            def read(i: int) -> None:
+                raw = loop.run_until_complete(t.get(key(i)))
+                codec.decode(raw)
+                view[: len(raw)] = raw
+
+            return read
+
+        # A request's chunks are read together (the prefetch's batch): BATCH at once, so
+        # one chunk's read overlaps another's opening on the other cores.
+        slots = [mmap.mmap(-1, len(view)) for _ in range(BATCH)]
+
+        def batch_keys(i: int) -> list[str]:
+            return [keys[(max(i, -2) + 2 + j) % len(keys)] for j in range(BATCH)]
+
+        def plain_batch(i: int) -> None:
+            async def one(k: str, m: mmap.mmap) -> None:
+                mv = memoryview(m)
+                n = await plain.get_into(k, mv)
+                codec.decode(mv[: n or 0])
+                mv.release()
+
+            async def go() -> None:
+                await asyncio.gather(
+                    *(one(k, m) for k, m in zip(batch_keys(i), slots, strict=True))
+                )
+
+            loop.run_until_complete(go())
+
+        def enveloped_batch(t: Any) -> Callable[[int], None]:
+            async def one(k: str, m: mmap.mmap) -> None:
+                raw = await t.get(k)
+                codec.decode(raw)
+                m[: len(raw)] = raw
+
+            def read(i: int) -> None:
+                async def go() -> None:
+                    await asyncio.gather(
+                        *(one(k, m) for k, m in zip(batch_keys(i), slots, strict=True))
+                    )
+
+                loop.run_until_complete(go())
+
+            return read
+
+        r = _interleaved({"none": plain_read, **{n: enveloped(t) for n, t in tiers.items()}},
+                         iters)  # fmt: skip
+        rb = _interleaved({"none": plain_batch,
+                           **{n: enveloped_batch(t) for n, t in tiers.items()}}, iters)  # fmt: skip
+        ref, refb = _stats(r["none"], total), _stats(rb["none"], BATCH * total)
+        out["nvme"]["none"] = {**ref, "stored_ratio": 1.0, "batch_gbps": refb["gbps"]}
+        for n, t in tiers.items():
+            st, sb = _stats(r[n], total), _stats(rb[n], BATCH * total)
+            used = t.usage().used_bytes / t.usage().num_chunks
+            out["nvme"][n] = {**st, "stored_ratio": used / total,
+                              "read_vs_none": st["gbps"] / ref["gbps"],
+                              "batch_gbps": sb["gbps"],
+                              "batch_read_vs_none": sb["gbps"] / refb["gbps"]}  # fmt: skip
+        for t in [plain, *tiers.values()]:
+            loop.run_until_complete(t.close())
+        with moto_server() as url:
+            import boto3
+
+            boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(
+                Bucket="bench"
+            )
+            big = {"multipart_threshold": 256 * MiB, "part_size": 256 * MiB}
+            s3 = {label(n, e): EnvelopedTier(
+                      S3Tier("bench", prefix=label(n, e), endpoint_url=url, region="us-east-1",
+                             **big),  # type: ignore[arg-type]
+                      AtRest(codec=n, keys=ring if e else None))
+                  for n, e in AT_REST}  # fmt: skip
+            s3_plain = S3Tier("bench", prefix="plain", endpoint_url=url, region="us-east-1",
+                              **big)  # type: ignore[arg-type]  # fmt: skip
+            for k in keys:
+                loop.run_until_complete(s3_plain.put(k, blobs[k]))
+                for t in s3.values():
+                    loop.run_until_complete(t.put(k, blobs[k]))
+
+            def s3_read(t: Any) -> Callable[[int], None]:
+                def read(i: int) -> None:
+                    codec.decode(loop.run_until_complete(t.get(key(i))))
+
+                return read
+
+            g = _interleaved({"none": s3_read(s3_plain),
+                              **{n: s3_read(t) for n, t in s3.items()}}, iters)  # fmt: skip
+            ref = _stats(g["none"], total)
+            out["s3"]["none"] = ref
+            for n in s3:
+                st = _stats(g[n], total)
+                out["s3"][n] = {**st, "read_vs_none": st["gbps"] / ref["gbps"]}
+            for t in [s3_plain, *s3.values()]:
+                loop.run_until_complete(t.close())
+    finally:
+        view.release()
+        loop.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations and sizes (<1 min)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--sizes", default=None, help="comma list of MiB (default 2,8,32)")
     ap.add_argument("--dir", default=None, help="directory for NVMe files (default: a temp dir)")
+    ap.add_argument("--at-rest", action="store_true",
+                    help="only the at-rest codecs' reads, each against plaintext (issue 28)")  # fmt: skip
     a = ap.parse_args()
     sizes = [int(x) for x in (a.sizes or "2,8,32").split(",")]
     iters = {
@@ -327,6 +493,25 @@ def main() -> None:
         "s3": {},
     }
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="tc-bench-", dir="/var/tmp"))
+    if a.at_rest:
+        try:
+            res = {"sizes_mib": sizes, "iters": iters["nvme"], "chunk": "bf16 unit-normal"}
+            for mib in sizes:
+                got = bench_at_rest(mib * MiB, iters["nvme"], base / f"ar{mib}")
+                res[str(mib)] = got
+                for tier, rows in got.items():
+                    for n, row in rows.items():
+                        batch = (f"  batch of {BATCH}: {row['batch_gbps']:6.2f} GB/s x none "
+                                 f"{row.get('batch_read_vs_none', 1.0):.2f}"
+                                 if "batch_gbps" in row else "")  # fmt: skip
+                        print(f"{tier:5} {mib:3} MiB {n:12} {row['gbps']:6.2f} GB/s  "
+                              f"x none {row.get('read_vs_none', 1.0):.2f}{batch}",
+                              file=sys.stderr)  # fmt: skip
+        finally:
+            if not a.dir:
+                shutil.rmtree(base, ignore_errors=True)
+        print(json.dumps(res) if a.json else json.dumps(res, indent=1))
+        return
     try:
         for mib in sizes:
             n = mib * MiB

@@ -387,7 +387,7 @@ class AtRest:
                 raise KeyUnavailable(f"sealed under key {kid}; this reader holds no keys")
             aad = bytes(mv[:aad_len])
             try:
-                plain = self.keys.aead(kid, tenant).decrypt(nonce, bytes(body), aad)
+                plain = self.keys.aead(kid, tenant).decrypt(nonce, body, aad)
             except InvalidTag:
                 raise codec.ChunkForged("envelope fails its AES-GCM tag") from None
         elif self.keys is not None:
