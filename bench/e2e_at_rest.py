@@ -81,6 +81,52 @@ _CODECS: tuple[tuple[at_rest.CodecName, bool], ...] = (
 CASES = tuple((tier, name, enc) for tier in ("nvme", "s3") for name, enc in _CODECS)
 
 
+def paced_proxy(upstream_port: int, mbps: float) -> int:
+    """A TCP proxy on a free loopback port in front of ``upstream_port`` that sends
+    replies at most ``mbps`` MB/s a connection, as one S3 connection moves (about 100 MB/s
+    from an EC2 instance in the bucket's region); requests pass unpaced. Runs on a daemon
+    thread for the life of the bench. Returns its port."""
+    import asyncio
+    import threading
+
+    port = free_port()
+    rate = mbps * 1e6
+    ready = threading.Event()
+
+    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, paced: bool) -> None:
+        t0, sent = time.monotonic(), 0
+        try:
+            while data := await r.read(256 * 1024):
+                w.write(data)
+                await w.drain()
+                if paced:
+                    sent += len(data)
+                    ahead = sent / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            w.close()
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection("127.0.0.1", upstream_port)
+        await asyncio.gather(pump(cr, uw, False), pump(ur, cw, True))
+
+    def serve() -> None:
+        async def main() -> None:
+            server = await asyncio.start_server(handle, "127.0.0.1", port)
+            ready.set()
+            async with server:
+                await server.serve_forever()
+
+        asyncio.run(main())
+
+    threading.Thread(target=serve, daemon=True, name="paced-s3").start()
+    ready.wait(10)
+    return port
+
+
 def case_name(tier: str, name: str, enc: bool) -> str:
     return f"{tier}/{name}{'+aes' if enc else ''}"
 
@@ -97,11 +143,13 @@ def text_prompt(model: Path) -> list[int]:
 
 
 def generate(server: VllmServer, prompt: list[int]) -> dict[str, Any]:
-    r = server.completion(prompt, max_tokens=OUTPUT_TOKENS, logprobs=1, timeout=600)
+    r = server.completion(prompt, max_tokens=OUTPUT_TOKENS, logprobs=2, timeout=600)
     r.raise_for_status()
     ch = r.json()["choices"][0]
+    tops = [sorted(d.values(), reverse=True) for d in ch["logprobs"]["top_logprobs"]]
     return {"tokens": list(ch["token_ids"]),
-            "logprobs": [float(x) for x in ch["logprobs"]["token_logprobs"]]}  # fmt: skip
+            "logprobs": [float(x) for x in ch["logprobs"]["token_logprobs"]],
+            "top2_gaps": [t[0] - t[1] for t in tops if len(t) > 1]}  # fmt: skip
 
 
 def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> dict[str, Any]:
@@ -115,15 +163,23 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> dict[str, A
             diffs.append(abs(a["logprobs"][n] - b["logprobs"][n]))
             n += 1
         agree.append(n / max(1, len(a["tokens"])))
+    gaps = [g for a in ref for g in a["top2_gaps"]]
     return {"requests": len(ref), "greedy_match_rate": same / max(1, len(ref)),
+            # how close the reference's greedy choices were: a random-weight model's
+            # logits are nearly flat, so small changes flip them
+            "ref_top2_gap_median": statistics.median(gaps) if gaps else None,
             "token_agreement": statistics.mean(agree) if agree else None,
             "max_logprob_diff": max(diffs) if diffs else None}  # fmt: skip
 
 
-def run(work: Path, runs: int, n_chat: int, procs: list[subprocess.Popen[bytes]],
-        servers: list[VllmServer], agents: list[Agent]) -> dict[str, Any]:  # fmt: skip
+def run(work: Path, runs: int, n_chat: int, s3_mbps: float | None,
+        procs: list[subprocess.Popen[bytes]], servers: list[VllmServer],
+        agents: list[Agent]) -> dict[str, Any]:  # fmt: skip
     model = make_model()
     redis_url, s3_url = start_redis_moto(work, procs, "127.0.0.1")
+    if s3_mbps:
+        s3_url = f"http://127.0.0.1:{paced_proxy(int(s3_url.rsplit(':', 1)[1]), s3_mbps)}"
+        say(f"S3 through a proxy that sends {s3_mbps:g} MB/s a connection")
     os.environ[at_rest.ENV_KEYS] = "1 " + os.urandom(32).hex()  # the agents inherit it
     prompt = text_prompt(model)
     chats = [r.prompt for r in chat_workload(n_chat, seed=5, users=n_chat, systems=2,
@@ -180,6 +236,7 @@ def run(work: Path, runs: int, n_chat: int, procs: list[subprocess.Popen[bytes]]
     out: dict[str, Any] = {
         "model": "random Llama: hidden 1024, 12 layers, 16 heads, 4 KV heads, bf16",
         "text_tokens": TEXT_TOKENS, "chat_requests": n_chat, "cases": {},
+        "s3_link": f"{s3_mbps:g} MB/s a connection (paced proxy)" if s3_mbps else "loopback",
     }  # fmt: skip
     cases: dict[str, Any] = out["cases"]
     reference: list[dict[str, Any]] = []
@@ -204,7 +261,7 @@ def run(work: Path, runs: int, n_chat: int, procs: list[subprocess.Popen[bytes]]
         tier_hits = ag.stats().get(f"tiered_cache_hits_total{{tier={tier}}}", 0.0)
         empty_dram()
         loaded = [generate(srv, p) for p in chats]
-        if name == "none" and not enc and tier == CASES[0][0]:
+        if name == "none" and not enc and not reference:
             reference = loaded
         cases[label] = {
             "miss_s": miss_s, "hit_s": statistics.median(hits_s), "hit_runs_s": hits_s,
@@ -240,7 +297,19 @@ def main() -> None:
     ap.add_argument("--chat", type=int, default=8, help="chat requests a case")
     ap.add_argument("--json", action="store_true", help="one JSON object as the last line")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument(
+        "--s3-mbps",
+        type=float,
+        default=None,
+        help="pace S3 replies to this many MB/s a connection (default: loopback)",
+    )
+    ap.add_argument("--tiers", default="nvme,s3", help="comma list of nvme, s3")
     a = ap.parse_args()
+    global CASES
+    tiers = a.tiers.split(",")
+    if not tiers or set(tiers) - {"nvme", "s3"}:
+        ap.error("--tiers takes nvme, s3 or both")
+    CASES = tuple(c for c in CASES if c[0] in tiers)
     runs, n_chat = (2, 4) if a.quick else (a.runs, a.chat)
     if runs < 1 or n_chat < 1:
         ap.error("--runs and --chat must be at least 1")
@@ -252,7 +321,7 @@ def main() -> None:
     shm_before = mp_shm()
     t0 = time.monotonic()
     try:
-        res = run(work, runs, n_chat, procs, servers, agents)
+        res = run(work, runs, n_chat, a.s3_mbps, procs, servers, agents)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
