@@ -465,6 +465,7 @@ def bench_at_rest(size: int, iters: int, root: Path) -> dict[str, Any]:
                 loop.run_until_complete(t.close())
     finally:
         view.release()
+        slot.close()
         loop.close()
     return out
 

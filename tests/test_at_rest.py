@@ -218,3 +218,22 @@ def test_the_ring_comes_from_the_environment_or_a_file(tmp_path: pytest.TempPath
     assert r is not None and r.active == 2 and r.retired == {1}
     with pytest.raises(KeyRingError, match="cannot read"):
         KeyRing.from_env({at_rest.ENV_KEY_FILE: str(f) + ".missing"})
+
+
+def test_an_unsealed_envelopes_clear_fields_must_be_its_chunks() -> None:
+    """Without a tag, a relabelled tenant (or chain) would only need a fixed checksum: the
+    opened chunk's own header must agree, or a restart scan would book it elsewhere."""
+    ar = AtRest(codec="zstd")
+    stored = ar.wrap(bf16_chunk(tenant="acme"))
+    assert ar.unwrap(_reheader(stored))
+    with pytest.raises(codec.ChunkCorrupt, match="clear fields"):
+        ar.unwrap(_reheader(stored, tenant=b"globex".ljust(32, b"\0")))
+    with pytest.raises(codec.ChunkCorrupt, match="clear fields"):
+        ar.unwrap(_reheader(stored, position=9))
+
+
+def test_an_unknown_envelope_version_is_a_mismatch_not_damage() -> None:
+    stored = bytearray(AtRest(codec="zstd").wrap(bf16_chunk()))
+    stored[4] = at_rest.VERSION + 1  # a later release's envelope
+    with pytest.raises(at_rest.EnvelopeUnknown):
+        AtRest().unwrap(bytes(stored))

@@ -101,7 +101,9 @@ async def test_a_restart_rebuilds_the_index_from_the_clear_headers(nvme_dir: Pat
         await tier.close()
 
 
-async def test_another_ring_misses_and_leaves_the_copy(nvme_dir: Path) -> None:
+async def test_a_copy_another_ring_sealed_is_a_miss_and_gives_way(nvme_dir: Path) -> None:
+    """This node's own disk: nobody else reads it, so a copy it cannot open is removed
+    and the chunk can be stored there again (left, the tier would answer "held")."""
     st = await make_store(nvme_dir, AtRest(keys=ring(K1)))
     await st.put(key(5), blob(5), wait=True)
     await st.close()
@@ -112,7 +114,12 @@ async def test_another_ring_misses_and_leaves_the_copy(nvme_dir: Path) -> None:
         assert isinstance(tier, EnvelopedTier) and tier.unopened["tag"] == 1
         m = other.metrics
         assert m.value("tiered_cache_at_rest_unopened_total", tier="nvme", reason="tag") == 1
-        assert (await other.contains([key(5)]))["nvme"] == [True]
+        assert (await other.contains([key(5)]))["nvme"] == [False]
+        await other.put(key(5), blob(5), wait=True)  # stored again, under this ring
+        await other.delete(key(5), tiers=["dram"])
+        got = await other.lease(key(5), FP)
+        assert isinstance(got, tuple)
+        other.release(got[0])
     finally:
         await other.close()
 

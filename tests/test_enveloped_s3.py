@@ -144,3 +144,25 @@ async def test_fp8_copies_are_rebuilt_signed_and_served(s3_server: Any, s3_bucke
         assert not np.array_equal(rebuilt, want)  # lossy: not the bytes written
     finally:
         await st.close()
+
+
+async def test_an_unknown_envelope_version_is_a_miss_left_in_place(
+    s3_server: Any, s3_bucket: str
+) -> None:
+    """A later release's envelope in a shared bucket (a rolling upgrade): a miss, and the
+    object stays for the nodes that read it."""
+    st = await make_store(s3_server, s3_bucket, AtRest(codec="zstd"))
+    try:
+        await st.put(key(7), blob(key(7)), wait=True)
+        okey = st.by_name["s3"].tier.object_key(key(7))
+        c = s3_server.client()
+        stored = bytearray(c.get_object(Bucket=s3_bucket, Key=okey)["Body"].read())
+        stored[4] = at_rest.VERSION + 1
+        c.put_object(Bucket=s3_bucket, Key=okey, Body=bytes(stored))
+        assert await st.get(key(7), expect_fingerprint=FP) is None
+        tier = st.by_name["s3"].tier
+        assert isinstance(tier, EnvelopedTier) and tier.unopened["unknown"] == 1
+        listed = c.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
+        assert okey in [o["Key"] for o in listed]
+    finally:
+        await st.close()

@@ -111,3 +111,36 @@ def test_a_damaged_fp8_body_is_a_chunk_error() -> None:
         ar.unwrap(bytes(stored))
     with pytest.raises(ValueError, match="fp8"):
         fp8.decode(b"\0" * 10, SHAPE, "float16")
+
+
+def test_a_forged_inner_header_is_refused_before_any_decoding() -> None:
+    """An unsealed fp8 envelope is only as good as its checksums, which anyone can
+    recompute: a shape of one value a group (a decode loop a value) is refused outright."""
+    from test_at_rest import _reheader
+
+    ar = AtRest(codec="fp8")
+    stored = ar.wrap(chunk(kv("bfloat16"), "bfloat16"))
+    h = at_rest.HEADER_SIZE
+    inner, body = stored[h : h + codec.HEADER_SIZE], stored[h + codec.HEADER_SIZE :]
+    meta = codec.parse_header(inner)[0]
+    n = int(np.prod(SHAPE))
+    forged_meta = codec.ChunkMeta(**{**meta.__dict__, "shape": (n, 1, 1, 1, 1)})
+    fake = codec.pack_header(forged_meta, b"\0" * (2 * n))
+    forged = _reheader(stored[:h] + fake + body)
+    with pytest.raises(codec.ChunkCorrupt, match="fp8"):
+        ar.unwrap(forged)
+
+
+def test_a_header_text_field_that_is_not_utf8_is_damage() -> None:
+    blob = bytearray(chunk(kv("float16"), "float16"))
+    at = blob.index(b"float16")
+    blob[at] = 0xFF  # then fix the header checksum, as a forger would
+    import struct
+
+    import xxhash
+
+    blob[codec.HEADER_SIZE - 4 : codec.HEADER_SIZE] = struct.pack(
+        "<I", xxhash.xxh32_intdigest(bytes(blob[: codec.HEADER_SIZE - 4]))
+    )
+    with pytest.raises(codec.ChunkCorrupt, match="UTF-8"):
+        codec.parse_header(bytes(blob))

@@ -64,8 +64,8 @@ MAGIC = b"TKVR"
 VERSION = 2
 HEADER_SIZE = 128
 #: The largest chunk an envelope may announce: a forged ``raw_len`` is refused before
-#: anything is allocated for it (the agent's chunks are tens of MiB at most).
-MAX_RAW = 1 << 30
+#: anything is allocated for it (a chunk of a 70B model's 256 tokens is 80 MiB at TP 1).
+MAX_RAW = 256 << 20
 NONCE_SIZE = 12
 TAG_SIZE = 16
 TENANT_SIZE = codec.TENANT_SIZE
@@ -90,6 +90,11 @@ ENV_KEY_FILE = "TIERED_CACHE_AT_REST_KEY_FILE"
 class KeyUnavailable(codec.ChunkMismatch):
     """Sealed under a key this reader does not hold, or has retired: a miss, never an
     error to the request. The copy may be right for a reader that holds the key."""
+
+
+class EnvelopeUnknown(codec.ChunkMismatch):
+    """An envelope of a version or codec this reader does not know (written by a newer or
+    older release): a miss, never damage, so a rolling upgrade deletes nothing."""
 
 
 class PlainRefused(codec.ChunkMismatch):
@@ -229,11 +234,16 @@ def _fp8_encode(mv: memoryview, mac_key: bytes | None) -> bytes | None:
     return codec.pack_header(meta, rebuilt.data, mac_key=mac_key) + body
 
 
-def _fp8_decode(plain: bytes | memoryview) -> bytes:
+def _fp8_decode(plain: bytes | memoryview, raw_len: int) -> bytes:
+    """The rebuilt chunk. Its header is checked for what decoding will cost before any
+    work: an unsealed envelope's inner header is only as good as its checksum."""
     mv = memoryview(plain)
     meta, n, _ = codec.parse_header(mv)
-    if not fp8.supported(meta.dtype, meta.shape) or n != 2 * math.prod(meta.shape):
-        raise codec.ChunkCorrupt(f"fp8: a {meta.dtype} payload of shape {meta.shape}")
+    if codec.HEADER_SIZE + n != raw_len or not fp8.supported(meta.dtype, meta.shape):
+        raise codec.ChunkCorrupt(f"fp8: a {meta.dtype} payload of shape {meta.shape}, "
+                                 f"{n} B, in an envelope of {raw_len} B")  # fmt: skip
+    if n != 2 * math.prod(meta.shape):
+        raise codec.ChunkCorrupt(f"fp8: {n} B for shape {meta.shape}")
     try:
         values = fp8.decode(mv[codec.HEADER_SIZE :], meta.shape, meta.dtype)
     except ValueError as e:
@@ -247,7 +257,7 @@ def _decompress(name: CodecName, plain: bytes | memoryview, raw_len: int) -> byt
     if name == "zstd":
         return _frame(plain, raw_len)
     if name == "fp8":
-        return _fp8_decode(plain)
+        return _fp8_decode(plain, raw_len)
     mv = memoryview(plain)
     if mv.nbytes < _LEN.size:
         raise codec.ChunkCorrupt("byte planes: no length")
@@ -283,17 +293,21 @@ class EnvelopeInfo:
 
 def _check_header(header: memoryview) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """The envelope header's fields (before and after ``stored_len``), checked."""
+    if header.nbytes < 5:
+        raise codec.ChunkCorrupt("envelope shorter than its header")
+    if bytes(header[:4]) != MAGIC:
+        raise codec.ChunkCorrupt("not an envelope: bad magic")
+    if header[4] != VERSION:  # before the checksum: other versions' headers differ
+        raise EnvelopeUnknown(f"envelope version {header[4]}: unknown here")
     if header.nbytes < HEADER_SIZE:
         raise codec.ChunkCorrupt("envelope shorter than its header")
     header = header[:HEADER_SIZE]
-    if bytes(header[:4]) != MAGIC:
-        raise codec.ChunkCorrupt("not an envelope: bad magic")
     (crc,) = _HCRC.unpack(header[-_HCRC.size :])
     if xxhash.xxh32_intdigest(header[: -_HCRC.size]) != crc:
         raise codec.ChunkCorrupt("envelope header checksum mismatch")
     head = _HEAD.unpack(header[: _HEAD.size])
-    if head[1] != VERSION or head[2] >= len(CODECS):
-        raise codec.ChunkMismatch(f"envelope version {head[1]}, codec {head[2]}: unknown here")
+    if head[2] >= len(CODECS):
+        raise EnvelopeUnknown(f"envelope codec {head[2]}: unknown here")
     if head[5] > MAX_RAW:
         raise codec.ChunkCorrupt(f"envelope announces {head[5]} B, over {MAX_RAW}")
     return head, _TAIL.unpack(header[_HEAD.size : _HEAD.size + _TAIL.size])
@@ -398,4 +412,9 @@ class AtRest:
             raise codec.ChunkCorrupt(f"zstd: {e}") from None
         if memoryview(out).nbytes != raw_len:
             raise codec.ChunkCorrupt(f"unwrapped {memoryview(out).nbytes} B, expected {raw_len}")
+        # Unsealed, the clear fields are only as good as the header checksum: they must
+        # be the chunk's own, or a restart scan would book it to another tenant or chain.
+        clear = tail[1] + tail[2] + tail[3] + struct.pack("<I", tail[4])
+        if not kid and _fields_of(memoryview(out)) != clear:
+            raise codec.ChunkCorrupt("envelope's clear fields differ from its chunk's")
         return out

@@ -196,15 +196,16 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, int, i
         raise ChunkCorrupt(f"bad ndim {ndim}")
     try:
         tenant = bytes(body[TENANT_AT : TENANT_AT + TENANT_SIZE]).rstrip(b"\0").decode()
+        dtype_s, layout_s = dtype.rstrip(b"\0").decode(), layout.rstrip(b"\0").decode()
     except UnicodeDecodeError:
-        raise ChunkCorrupt("tenant is not UTF-8") from None
+        raise ChunkCorrupt("a text field (dtype, layout, tenant) is not UTF-8") from None
     meta = ChunkMeta(
         key=key.hex(),
         fingerprint=fp,
         num_tokens=ntok,
-        dtype=dtype.rstrip(b"\0").decode(),
+        dtype=dtype_s,
         shape=tuple(shape[:ndim]),
-        kv_layout=layout.rstrip(b"\0").decode(),
+        kv_layout=layout_s,
         block_size=bsz,
         parent="" if parent == _NO_PARENT else parent.hex(),
         position=position,

@@ -20,6 +20,7 @@ Stored: ``k`` as int8 per group, then one byte per value (sign | exponent 4 | ma
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import numpy as np
@@ -31,8 +32,17 @@ _MAX_BYTE = 0x7E  # 448; 0x7F is NaN in e4m3fn
 _K_RANGE = (-100, 100)  # keeps every decoded bf16 value normal; fp16 rounds its own
 
 
+#: The fewest values a scale may cover: bounds the per-group decode loop (a forged shape
+#: of one value a group would make it run once per value).
+MIN_GROUP = 1024
+
+
 def supported(dtype: str, shape: tuple[int, ...]) -> bool:
-    return dtype in MANTISSA_BITS and len(shape) >= 1
+    """Whether fp8 takes a payload: 16-bit floats, no empty dimension, groups of at least
+    ``MIN_GROUP`` values (a connector chunk's (layer, head) holds thousands)."""
+    if dtype not in MANTISSA_BITS or not shape or min(shape) < 1:
+        return False
+    return math.prod(shape) >= MIN_GROUP * groups(shape)
 
 
 def group_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -78,7 +88,8 @@ def _encode_lut(mbits: int) -> np.ndarray:
 def _decode_table(mbits: int, k: int) -> np.ndarray:
     """e4m3 byte -> the dtype's bit pattern of its value times ``2**k``."""
     t = np.concatenate([_e4m3(), [E4M3_MAX]])  # 0x7F is never written
-    v = np.concatenate([t, -t]) * 2.0**k
+    with np.errstate(over="ignore"):  # only a forged k overflows: a checksum then fails
+        v = np.concatenate([t, -t]) * 2.0**k
     if mbits == 7:
         return (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     return v.astype(np.float16).view(np.uint16)
@@ -117,11 +128,11 @@ def encode(values: np.ndarray, dtype: str) -> bytes:
 
 
 def groups(shape: tuple[int, ...]) -> int:
-    return int(np.prod([shape[a] for a in group_axes(shape)]))
+    return math.prod(shape[a] for a in group_axes(shape))
 
 
 def encoded_size(shape: tuple[int, ...]) -> int:
-    return groups(shape) + int(np.prod(shape))
+    return groups(shape) + math.prod(shape)
 
 
 def decode(stored: bytes | memoryview, shape: tuple[int, ...], dtype: str) -> np.ndarray:

@@ -327,7 +327,10 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
                     pending = await self._make_room(slot, n, tenant)
                     if pending is None:
                         await slot.tier.put(key, data)
-                        self.tenants.add(name, key, tenant, n)
+                        # what the tier holds (an envelope's size differs), as a restart
+                        # will read it back
+                        held = slot.tier.size_of(key) or n
+                        self.tenants.add(name, key, tenant, held)
                 except TierFull as e:
                     if "full" not in slot.tier.counts_write_errors:
                         self.events.write_failed(slot.name, "full")
@@ -342,7 +345,7 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
                     return False
                 if pending is None:
                     slot.eviction.on_remove(key)  # a replaced key is re-tracked once
-                    self._track(slot, key, n)
+                    self._track(slot, key, held)
                     break
             await pending()  # without the lock: a victim's copy down, or a wait for one
         self.events.stored(name, n, time.perf_counter() - t0)
@@ -432,7 +435,11 @@ class TieredStore(PinsMixin, RemoteMixin, ReadsMixin, SlotsMixin, QuotasMixin):
             log.warning(
                 "chunk %s (%d B) stored in no tier (%s; tiers: %s); counted in "
                 "tiered_cache_chunks_dropped_total{reason=%s}, logged once",
-                key, nbytes, reason, caps, reason,
+                key,
+                nbytes,
+                reason,
+                caps,
+                reason,
             )
 
     def _promote_bg(self, key: str, hit: Hit) -> None:
