@@ -222,9 +222,8 @@ def run(work: Path, runs: int, n_chat: int, s3_mbps: float | None,
         srv.completion(warm, max_tokens=1, logprobs=0, timeout=600).raise_for_status()
 
     def empty_dram() -> None:
-        """Drop every DRAM copy, so the next load comes from the case's tier. Not a
-        restart: a client keeps each pool it mapped for its life (views handed out may
-        point into it), so a restart a run would grow the vLLM worker by a pool each."""
+        """Drop every DRAM copy, so the next load comes from the case's tier: cheaper than
+        an agent restart, and the pool (and the connector's mapping of it) stays."""
         from tiered_cache.client import AgentClient
 
         c = AgentClient(sock, attach_pool=False)

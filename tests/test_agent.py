@@ -270,6 +270,54 @@ def test_client_survives_agent_restart(tmp_path: Path) -> None:
         proc.wait()
 
 
+def test_a_remapped_pool_frees_old_mappings_once_nothing_points_into_them(
+    tmp_path: Path,
+) -> None:
+    """Agents restarted onto new pools: the client closes an earlier pool's mapping at a
+    reconnect once nothing points into it, so it keeps at most the one before (the call
+    that found the agent gone may still hold a view) and any a view handed out still
+    uses. Kept for good, every such restart grew a vLLM worker by a pool until it was
+    OOM-killed."""
+    from multiprocessing import shared_memory
+
+    cfg = write_cfg(tmp_path, dram={"capacity": "2MiB", "slot_bytes": "128KiB",
+                                    "keep_on_stop": False})  # fmt: skip
+    sock = yaml.safe_load(cfg.read_text())["agent"]["socket"]
+    keys = chunk_keys(np.arange(32 * 5), FP)
+    proc = start_agent(cfg)
+    c = AgentClient(sock)
+
+    def restart_and_put(i: int) -> None:
+        nonlocal proc
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        proc = start_agent(cfg)
+        c.put_many([(meta(keys[i]), payload(i))])  # reconnects onto the new pool
+
+    def old_pools() -> list[shared_memory.SharedMemory]:
+        return [x for x in c._stale if isinstance(x, shared_memory.SharedMemory)]
+
+    try:
+        c.put_many([(meta(keys[0]), payload(0))])
+        pools = [c._shm]
+        assert c._buf is not None
+        view = c._buf[:16]  # a view handed out, as a load in flight holds one
+        for i in range(1, 4):
+            restart_and_put(i)
+            pools.append(c._shm)
+            assert len(old_pools()) <= 2 and pools[0] in old_pools()  # in use: kept
+        assert all(p._mmap is None for p in pools[1:-2])  # closed once unused
+        view.release()
+        restart_and_put(4)
+        assert pools[0]._mmap is None and len(old_pools()) <= 1
+        got = c.get_many(keys[4:], FP.digest)
+        assert [bytes(g[1]) for g in got if g] == [payload(4)]
+    finally:
+        c.close()
+        proc.kill()
+        proc.wait()
+
+
 def test_every_node_honours_a_pin_within_seconds(tmp_path: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 

@@ -52,6 +52,20 @@ from tiered_cache.tiers.shm_index import SlotIndexReader
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _KEPT_MAPPINGS: list[Any] = []
+
+
+def _close_if_unused(mapping: Any) -> bool:
+    """Close an earlier pool mapping unless something still uses it: a view into it, or a
+    page-lock (its memoryview in ``_pinned``) both hold an export, and closing a mapping
+    with exports raises ``BufferError`` instead. Index readers are left alone: another
+    thread may be reading through one between its own checks."""
+    if isinstance(mapping, SlotIndexReader):
+        return False
+    try:
+        mapping.close()
+    except BufferError:
+        return False
+    return True
 _STASH_MAX = 8  # slots a client may hold reserved between puts
 _TOUCH_BATCH = 64  # direct DRAM hits reported to the agent per message, at most
 _TOUCH_AGE_S = 0.25  # ... or this long after the first unreported one
@@ -153,6 +167,10 @@ class AgentClient:
             # referenced and never reuse them (a new agent has marked the index dead).
             self._stale.extend(x for x in (self._shm, self._index) if x is not None)
             self._shm, self._buf, self._index = shm, buf, index
+            # An earlier pool's mapping nothing points into any more (no view, no pin) is
+            # closed: kept, each restart of an agent onto a new pool would grow this
+            # process by a whole pool, for the life of the process.
+            self._stale = [x for x in self._stale if not _close_if_unused(x)]
         for m in self._models:  # a restarted agent forgot what this client registered
             call_sync(sock, encode(RegisterModel(m)))
 
