@@ -21,8 +21,8 @@ through) and codec, on a fresh directory or bucket prefix. Per case:
    constant per position).
 
 The model is the project's random-weight Llama: its KV compresses unlike a trained
-model's (no package on the registries ships small trained weights for it), so the
-bytes-saved figures say how the codecs behave on vLLM's KV, not what a trained model saves.
+model's (the package indexes here ship no small trained weights), so the bytes-saved
+figures say how the codecs behave on vLLM's KV, not what a trained model saves.
 
     python bench/e2e_at_rest.py [--quick] [--runs 3] [--json]
 """
