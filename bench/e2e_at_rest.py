@@ -46,16 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from e2e_ttft import (
-    _SHM_NAMES,
     S3_ENV,
     Agent,
+    clean_up,
     make_model,
     on_sigterm,
     say,
     start_redis_moto,
     timed,
     uninterrupted,
-    unlink_shm,
 )
 
 from tiered_cache import at_rest
@@ -63,12 +62,10 @@ from tiered_cache.plan.workloads import chat_workload
 from tiered_cache.tools.vllm_launch import (
     REPO,
     VllmServer,
-    drop_mp_shm,
     free_port,
     kv_transfer_config,
     mp_shm,
     start_servers,
-    stop_group,
 )
 
 TEXT_TOKENS = 2050
@@ -322,17 +319,7 @@ def main() -> None:
     try:
         res = run(work, runs, n_chat, a.s3_mbps, procs, servers, agents)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for s in servers:
-            s.stop()
-        for ag in agents:
-            ag.stop(signal.SIGKILL)
-        for p in procs:
-            stop_group(p)
-        drop_mp_shm(shm_before)
-        for name in _SHM_NAMES:
-            unlink_shm(name)
+        clean_up(servers, agents, procs, shm_before)
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
     res["wall_s"] = round(time.monotonic() - t0)

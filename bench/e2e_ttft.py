@@ -381,6 +381,35 @@ def measure_lmcache_nvme_only(
             server.stop()
 
 
+def clean_up(
+    servers: Sequence[VllmServer],
+    agents: Sequence[Agent],
+    procs: Sequence[subprocess.Popen[bytes]],
+    shm_before: set[Path],
+) -> None:
+    """Stop everything a run started and remove what it left in /dev/shm."""
+    # A second SIGTERM (or ^C) must not cut the cleanup short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for s in servers:
+        s.stop()
+    for ag in agents:
+        ag.stop(signal.SIGKILL)
+    for lms in _LMCACHE_SERVERS:
+        lms.stop()
+    for p in procs:
+        stop_group(p)
+    for net in _NETS:
+        net.close()
+    # vLLM workers killed in a group leave their shared-memory segments behind, and
+    # stopped agents their DRAM pools (GBs over a few runs, until the next run is
+    # OOM-killed): every process of ours is gone now. Only our own names: other
+    # benches' and tests' pools may be in /dev/shm too.
+    drop_mp_shm(shm_before)
+    for name in _SHM_NAMES:
+        unlink_shm(name)
+
+
 def main() -> None:
     # SIGTERM (e.g. from `timeout`) runs the cleanup in `finally` too: without it the
     # vLLM servers, agents and namespaces this bench started outlive it.
@@ -401,26 +430,7 @@ def main() -> None:
     try:
         res = run(work, runs, procs, servers, agents)
     finally:
-        # A second SIGTERM (or ^C) must not cut the cleanup short.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for s in servers:
-            s.stop()
-        for ag in agents:
-            ag.stop(signal.SIGKILL)
-        for lms in _LMCACHE_SERVERS:
-            lms.stop()
-        for p in procs:
-            stop_group(p)
-        for net in _NETS:
-            net.close()
-        # vLLM workers killed in a group leave their shared-memory segments behind, and
-        # stopped agents their DRAM pools (GBs over a few runs, until the next run is
-        # OOM-killed): every process of ours is gone now. Only our own names: other
-        # benches' and tests' pools may be in /dev/shm too.
-        drop_mp_shm(shm_before)
-        for name in _SHM_NAMES:
-            unlink_shm(name)
+        clean_up(servers, agents, procs, shm_before)
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
     if a.json:

@@ -4,6 +4,7 @@ miss left in place while a damaged one is a miss removed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,18 @@ async def make_store(s3_server: Any, bucket: str, ar: AtRest) -> TieredStore:
                      directory=LocalDirectory(), metrics=Metrics())  # fmt: skip
     await st.open()
     return st
+
+
+def rewrite(st: TieredStore, s3_server: Any, bucket: str, k: str, at: int,
+            new: Callable[[int], int]) -> tuple[str, Any]:  # fmt: skip
+    """Replace byte ``at`` of ``k``'s object with ``new(byte)``, behind the store's back:
+    the object's name and the S3 client."""
+    okey = st.by_name["s3"].tier.object_key(k)
+    c = s3_server.client()
+    stored = bytearray(c.get_object(Bucket=bucket, Key=okey)["Body"].read())
+    stored[at] = new(stored[at])
+    c.put_object(Bucket=bucket, Key=okey, Body=bytes(stored))
+    return okey, c
 
 
 def ring(secret: bytes) -> KeyRing:
@@ -93,11 +106,7 @@ async def test_a_damaged_envelope_is_a_miss_and_removed(s3_server: Any, s3_bucke
     st = await make_store(s3_server, s3_bucket, AtRest(codec="zstd-planes"))
     try:
         await st.put(key(3), blob(key(3)), wait=True)
-        okey = st.by_name["s3"].tier.object_key(key(3))
-        c = s3_server.client()
-        stored = bytearray(c.get_object(Bucket=s3_bucket, Key=okey)["Body"].read())
-        stored[-10] ^= 1
-        c.put_object(Bucket=s3_bucket, Key=okey, Body=bytes(stored))
+        okey, c = rewrite(st, s3_server, s3_bucket, key(3), -10, lambda b: b ^ 1)
         assert await st.get(key(3), expect_fingerprint=FP) is None
         listed = c.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
         assert okey not in [o["Key"] for o in listed]
@@ -154,11 +163,7 @@ async def test_an_unknown_envelope_version_is_a_miss_left_in_place(
     st = await make_store(s3_server, s3_bucket, AtRest(codec="zstd"))
     try:
         await st.put(key(7), blob(key(7)), wait=True)
-        okey = st.by_name["s3"].tier.object_key(key(7))
-        c = s3_server.client()
-        stored = bytearray(c.get_object(Bucket=s3_bucket, Key=okey)["Body"].read())
-        stored[4] = at_rest.VERSION + 1
-        c.put_object(Bucket=s3_bucket, Key=okey, Body=bytes(stored))
+        okey, c = rewrite(st, s3_server, s3_bucket, key(7), 4, lambda _: at_rest.VERSION + 1)
         assert await st.get(key(7), expect_fingerprint=FP) is None
         tier = st.by_name["s3"].tier
         assert isinstance(tier, EnvelopedTier) and tier.unopened["unknown"] == 1
