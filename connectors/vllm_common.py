@@ -46,6 +46,22 @@ class _Identity:
     block_size: int
     dtype: str  # the cache's format, as keyed: "bfloat16", "uint8/fp8_e5m2"
     tensor_dtype: str  # what vLLM's KV tensors hold (payload headers name this)
+    # Whether this rank writes its shard's chunks: of the ranks holding one shard (MLA's
+    # latent KV is one shard on every rank) only the lowest saves; all of them load.
+    writes: bool = True
+
+
+def kv_shards(spec: Any, tp_size: int) -> int:
+    """Distinct KV shards across ``tp_size`` ranks: vLLM's ``max_tp_shards`` where the
+    backend publishes it (1 for MLA: every rank holds the same latent KV), 1 for any MLA
+    spec, else one per rank. Ranks ``r`` with equal ``r // (tp_size // shards)`` hold the
+    same KV, as vLLM places replicated KV heads."""
+    shards = getattr(spec, "max_tp_shards", None)
+    if shards is None and "MLA" in type(spec).__name__:
+        shards = 1
+    if not isinstance(shards, int) or shards <= 0 or shards >= tp_size or tp_size % shards:
+        return tp_size
+    return shards
 
 
 # Sources a load reads in milliseconds: loaded inside the forward pass under "auto".
@@ -213,6 +229,10 @@ def build_identity(
                 f"({setting}={getattr(pc, setting)}); set it to 1"
             )
     tp_size = int(getattr(pc, "tensor_parallel_size", 1))
+    # Chunks are keyed by KV shard, not by rank: ranks holding the same KV share one copy,
+    # and a pool at another TP size whose shards are the same (MLA at any TP) reads it.
+    shards = kv_shards(spec, tp_size)
+    replicas = tp_size // shards
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or mc.model)
     kind = type(spec).__name__
@@ -235,8 +255,8 @@ def build_identity(
         # head; CUDA: K|V per token), so the device type is part of the identity.
         kv_layout=f"{layout}@{device_type}/{kind}",
         block_size=block_size,
-        tp_rank=tp_rank,
-        tp_world_size=tp_size,
+        tp_rank=tp_rank // replicas,
+        tp_world_size=shards,
         chunk_size=chunk_size,
         revision=revs,
         quantization=str(getattr(mc, "quantization", None) or ""),
@@ -244,7 +264,7 @@ def build_identity(
         weights=weights,
         cache_epoch=str(extra.get("cache_epoch") or ""),
     )
-    return _Identity(fp, layout[:8], block_size, dtype, tensor_dtype)
+    return _Identity(fp, layout[:8], block_size, dtype, tensor_dtype, tp_rank % replicas == 0)
 
 def _chunk_bytes(kv_cache_config: KVCacheConfig | None, extra: Mapping[str, Any]) -> int:
     """Bytes of one full chunk on this rank (all layers), from vLLM's KV cache spec: what

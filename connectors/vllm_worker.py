@@ -201,6 +201,7 @@ class WorkerSide(ConnectorBase):
         self._save_prep = None
         meta = connector_metadata
         if (self._layerwise and self._dev.kind != "cpu" and self._kv is not None
+                and self._id.writes
                 and isinstance(meta, TieredCacheConnectorMetadata) and meta.saves
                 and self._cache_up()):  # fmt: skip
             if self._prep_pool is None:
@@ -416,7 +417,9 @@ class WorkerSide(ConnectorBase):
         """Copy this layer's blocks of the step's finished chunks straight into reserved
         DRAM slots on a helper thread, while the next layers compute."""
         kv = self._kv
-        if not self._layerwise or kv is None or not self.has_connector_metadata():
+        if not self._layerwise or kv is None or not self._id.writes:
+            return
+        if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
@@ -457,8 +460,8 @@ class WorkerSide(ConnectorBase):
             with contextlib.suppress(Exception):  # a failed one is retried below
                 st = self._prepared_save(self._get_connector_metadata())  # type: ignore[arg-type]
         self._save_prep = None
-        if not self.has_connector_metadata():
-            return
+        if not self.has_connector_metadata() or not self._id.writes:
+            return  # a rank whose KV a lower rank saves (replicated KV: MLA)
         meta = self._get_connector_metadata()
         if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
             return

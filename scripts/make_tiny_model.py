@@ -12,6 +12,10 @@ a token, so a 256-token chunk is 12 MiB, the size class of real models (tests).
 ``kvheavy``: 16 layers, hidden 256, 8 heads of 256 dims, all KV heads, bfloat16: 128 KiB
 of KV a token like Llama-3-8B (32 MiB a 256-token chunk) at a fraction of its compute
 (serving benchmark).
+``mla``: a DeepSeek-V2 (MLA) model, 2 layers, hidden 128, 4 heads, a 512-wide latent plus
+a 64-dim rope key (576 values a token, the head size vLLM's MLA kernels take), dense MLPs
+(vLLM's CPU MoE router refuses this small a MoE), vocab 512, bfloat16 (vLLM's CPU MLA
+kernels take no float32; the MLA tests).
 
 Weights come from a fixed seed and the tokenizer is trained in-process on a built-in text,
 so the same arguments always give the same model. A marker file records the arguments:
@@ -74,6 +78,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=4096,
         dtype="float32",
+    ),
+    "mla": dict(
+        arch="deepseek_v2",
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,  # required fields; unused: every layer is dense
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
     ),
     "kvheavy": dict(
         hidden_size=256,
@@ -157,6 +181,43 @@ def _build_tokenizer(vocab_size: int) -> Any:
     return fast
 
 
+def _llama(cfg: dict[str, Any], special: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        **special,
+    )
+
+
+def _deepseek_v2(cfg: dict[str, Any], special: dict[str, Any]) -> tuple[Any, Any]:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+              "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+              "first_k_dense_replace", "max_position_embeddings")  # fmt: skip
+    config = DeepseekV2Config(
+        **{f: cfg[f] for f in fields},
+        q_lora_rank=None,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        **special,
+    )
+    return config, DeepseekV2ForCausalLM
+
+
 def build(out: Path, preset: str = "tiny", dtype: str | None = None, force: bool = False) -> Path:
     """Write the model into ``out`` (skipped when a matching one is there). Returns ``out``."""
     if preset not in PRESETS:
@@ -172,29 +233,22 @@ def build(out: Path, preset: str = "tiny", dtype: str | None = None, force: bool
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM
 
     tokenizer = _build_tokenizer(cfg["vocab_size"])
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg["dtype"]]
-    config = LlamaConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
+    special = dict(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if cfg.get("arch") == "deepseek_v2":
+        config, model_cls = _deepseek_v2(cfg, special)
+    else:
+        config, model_cls = _llama(cfg, special), LlamaForCausalLM
     torch.manual_seed(SEED)
     with torch.no_grad():
-        model = LlamaForCausalLM(config).to(torch_dtype)
+        model = model_cls(config).to(torch_dtype)
         model.config.dtype = torch_dtype
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,

@@ -177,11 +177,17 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryChunkStore]:
 
 
 def make_connector(
-    mod: Any, role: str, kv_role: str, bs: int = BS, tp: int = 1, **extra: Any
+    mod: Any, role: str, kv_role: str, bs: int = BS, tp: int = 1, mla: bool = False,
+    **extra: Any,
 ) -> Any:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
 
     ktc = KVTransferConfig(
         kv_connector="TieredCacheConnector",
@@ -195,7 +201,9 @@ def make_connector(
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout="LBHNC"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=tp),
     )
-    spec = FullAttentionSpec(block_size=bs, num_kv_heads=H, head_size=HS, dtype=torch.float32)
+    spec = (MLAAttentionSpec if mla else FullAttentionSpec)(
+        block_size=bs, num_kv_heads=H, head_size=HS, dtype=torch.float32
+    )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kcc = KVCacheConfig(
         num_blocks=64,
@@ -1061,7 +1069,7 @@ class TP2Node:
     each with KV of its own (its fingerprint names its rank, so its keys differ)."""
 
     def __init__(self, mod: Any, kv_role: str, seed: int, monkeypatch: pytest.MonkeyPatch,
-                 zero: bool = False, **extra: Any):  # fmt: skip
+                 zero: bool = False, same_kv: bool = False, **extra: Any):  # fmt: skip
         import connectors.vllm_common as common
 
         self.sched = make_connector(mod, "scheduler", kv_role, tp=2, **extra)
@@ -1070,7 +1078,7 @@ class TP2Node:
         for rank in (0, 1):
             monkeypatch.setattr(common, "_tp_rank", lambda r=rank: r)
             w = make_connector(mod, "worker", kv_role, tp=2, **extra)
-            layers = kv_layers(64, 10 * seed + rank)
+            layers = kv_layers(64, 10 * seed + (0 if same_kv else rank))
             if zero:
                 layers = [torch.zeros_like(t) for t in layers]
             w.register_kv_caches({f"model.layers.{i}.self_attn.attn": t
@@ -1109,6 +1117,60 @@ def test_tp2_every_rank_loads_an_earlier_prompts_tail(
         assert w.get_block_ids_with_load_errors() == set(), f"rank {rank}"
         for li in range(LAYERS):
             assert same_150_tokens(d.layers[rank][li], blocks, p.layers[rank][li]), (rank, li)
+
+
+def test_mla_is_stored_once_at_any_tp_and_read_at_another(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLA's latent KV is the same on every rank: at TP=2 only rank 0 saves it, under the
+    keys a TP=1 writer uses, so the tier holds one copy and a pool at either TP size
+    loads what the other wrote (every rank loading the same chunks)."""
+    one = Node(vllm_mod, "kv_both", 1, mla=True)
+    req = FakeRequest("p1", PROMPT)
+    one.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    one.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+    one.sched.request_finished(req, P_BLOCKS)
+    written_at_tp1 = dict(store._data)
+    assert written_at_tp1
+    store._data.clear()
+
+    two = TP2Node(vllm_mod, "kv_both", 1, monkeypatch, same_kv=True, mla=True)
+    req = FakeRequest("p2", PROMPT)
+    two.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    two.step(sched_output([(req, P_BLOCKS, 0, len(PROMPT))]))
+    two.sched.request_finished(req, P_BLOCKS)
+    assert set(store._data) == set(written_at_tp1)  # one copy, not one per rank
+
+    d1 = Node(vllm_mod, "kv_both", 2, zero=True, mla=True)  # TP=1 reads TP=2's chunks
+    _, blocks = next_turn_loads_the_tail(d1)
+    assert d1.worker.get_block_ids_with_load_errors() == set()
+    for li in range(LAYERS):
+        assert same_150_tokens(d1.layers[li], blocks, two.layers[0][li]), li
+
+    store._data.clear()
+    store._data.update(written_at_tp1)
+    d2 = TP2Node(vllm_mod, "kv_both", 3, monkeypatch, zero=True, mla=True)  # and back
+    _, blocks = next_turn_loads_the_tail(d2)
+    for rank, w in enumerate(d2.workers):
+        assert w.get_block_ids_with_load_errors() == set(), f"rank {rank}"
+        for li in range(LAYERS):
+            assert same_150_tokens(d2.layers[rank][li], blocks, one.layers[li]), (rank, li)
+
+
+def test_kv_shards_follow_vllms_replicas() -> None:
+    """Ranks holding one KV shard share its keys: vLLM's ``max_tp_shards`` where set
+    (TP=4 over 2 KV heads: ranks 0-1 and 2-3), 1 for MLA, else a shard per rank."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from connectors.vllm_common import kv_shards
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    two = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                            max_tp_shards=2)  # fmt: skip
+    assert [kv_shards(full, tp) for tp in (1, 2, 4)] == [1, 2, 4]
+    assert [kv_shards(mla, tp) for tp in (1, 2, 4)] == [1, 1, 1]
+    assert [kv_shards(two, tp) for tp in (1, 2, 4, 3)] == [1, 2, 2, 3]
 
 
 @pytest.mark.parametrize("aliases", [True, False], ids=["aliases", "off"])

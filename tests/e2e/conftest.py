@@ -34,11 +34,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
 
 
-def _model(preset: str, out: Path) -> str:
+def _model(preset: str, out: Path, dtype: str = "float32") -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(out),
-         "--preset", preset, "--dtype", "float32"],
+         "--preset", preset, "--dtype", dtype],
         check=True,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -61,6 +61,14 @@ def tiny_model() -> str:
 def wide_model() -> str:
     """A float32 Llama with 48 KiB of KV a token: a 256-token chunk is 12 MiB."""
     return _model("wide", Path(tempfile.gettempdir()) / "tiered-cache-models" / "wide-float32")
+
+
+@pytest.fixture(scope="session")
+def mla_model() -> str:
+    """A DeepSeek-V2 (MLA) model, bfloat16: vLLM's CPU MLA kernels take no float32."""
+    return _model(
+        "mla", Path(tempfile.gettempdir()) / "tiered-cache-models" / "mla-bfloat16", "bfloat16"
+    )
 
 
 @pytest.fixture(scope="module")
