@@ -74,11 +74,27 @@ def _as_bool(v: Any) -> bool:
 
 
 def _single_group_spec(kv_cache_config: KVCacheConfig) -> Any:
+    """The model's one KV cache group, of full attention (MLA included). Anything else is
+    refused at start-up with one line: a sliding window's blocks outside the window are
+    freed and reused by vLLM, and a Mamba state is one per request, not one per block,
+    so neither can be cut into prefix chunks as they are now."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    kinds = [type(getattr(g, "kv_cache_spec", None)).__name__ for g in groups]
     if len(groups) != 1:
         raise ValueError(
-            f"TieredCacheConnector supports models with exactly one KV cache group "
-            f"(got {len(groups)}); hybrid/sliding-window models are not supported"
+            f"TieredCacheConnector supports models with exactly one KV cache group, of "
+            f"full attention; this model has {len(groups)} ({', '.join(kinds)}): "
+            f"hybrid, sliding-window and Mamba models are not supported yet"
+        )
+    try:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+    except ImportError:  # pragma: no cover - vLLM is installed wherever this runs
+        return groups[0]
+    if not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        raise ValueError(
+            f"TieredCacheConnector supports full-attention KV caches (MLA included); "
+            f"this model's is {kinds[0]}: sliding-window, chunked-local and Mamba "
+            f"caches are not supported yet"
         )
     return groups[0]
 

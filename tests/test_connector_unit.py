@@ -1157,6 +1157,38 @@ def test_mla_is_stored_once_at_any_tp_and_read_at_another(
             assert same_150_tokens(d2.layers[rank][li], blocks, one.layers[li]), (rank, li)
 
 
+def test_kv_caches_it_cannot_cut_into_chunks_are_refused_with_one_line() -> None:
+    """A sliding window's or a Mamba state's cache, or several groups (hybrid models),
+    stop the connector at start-up naming what the model has; MLA is full attention."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    from connectors.vllm_common import _single_group_spec
+
+    kw: dict[str, Any] = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    full, swa = FullAttentionSpec(**kw), SlidingWindowSpec(**kw, sliding_window=64)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+
+    def cfg(*specs: Any) -> Any:
+        groups = [KVCacheGroupSpec([f"l{i}"], sp) for i, sp in enumerate(specs)]
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    assert _single_group_spec(cfg(full)).kv_cache_spec is full
+    mla = MLAAttentionSpec(**{**kw, "num_kv_heads": 1})
+    assert _single_group_spec(cfg(mla)).kv_cache_spec is mla
+    with pytest.raises(ValueError, match=r"has 2 \(FullAttentionSpec, SlidingWindowSpec\)"):
+        _single_group_spec(cfg(full, swa))
+    for spec in (swa, mamba):
+        with pytest.raises(ValueError, match=f"this model's is {type(spec).__name__}"):
+            _single_group_spec(cfg(spec))
+
+
 def test_kv_shards_follow_vllms_replicas() -> None:
     """Ranks holding one KV shard share its keys: vLLM's ``max_tp_shards`` where set
     (TP=4 over 2 KV heads: ranks 0-1 and 2-3), 1 for MLA, else a shard per rank."""
