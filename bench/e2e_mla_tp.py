@@ -31,7 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from e2e_ttft import timed
 
 from tiered_cache import client as tc_client
 from tiered_cache.tools.vllm_launch import (
@@ -50,15 +53,6 @@ CHUNK = 256
 
 def say(msg: str) -> None:
     print(f"[mla-tp] {msg}", file=sys.stderr, flush=True)
-
-
-def ttft(server: VllmServer, prompt: list[int]) -> tuple[float, int]:
-    t = time.perf_counter()
-    r = server.completion(prompt, max_tokens=1, logprobs=0, timeout=600)
-    dt = time.perf_counter() - t
-    r.raise_for_status()
-    usage = r.json().get("usage") or {}
-    return dt, int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 def main() -> None:
@@ -106,9 +100,9 @@ def main() -> None:
             for i in range(args.runs + 1):  # the first run warms the path up, not counted
                 prompt = [rng.randrange(6, 512) for _ in range(PROMPT_LEN)]
                 if writer:
-                    ttft(servers[writer], prompt)
+                    timed(servers[writer], prompt)
                 time.sleep(args.gap_s)  # the writer's engine idle again (see above)
-                dt, c = ttft(servers[reader], prompt)
+                dt, c = timed(servers[reader], prompt)
                 if i:
                     times.append(dt)
                     cached.append(c)
