@@ -1,5 +1,6 @@
-"""MLA hits across TP sizes under real vLLM CPU (issue 27): a TP 1 pool and a TP 2 pool
-share one cache; each reads chunks the other wrote (one copy: MLA keys name one shard)
+"""MLA hits across TP sizes under real vLLM CPU (issue 27).
+
+A TP 1 pool and a TP 2 pool share one cache; each reads chunks the other wrote (one copy: MLA keys name one shard)
 and chunks of its own size, against recomputing, in the same run.
 
 Model: the project's random DeepSeek-V2 (``make_tiny_model.py --preset mla``, bfloat16),
