@@ -51,14 +51,15 @@ class _Identity:
     writes: bool = True
 
 
-def kv_shards(spec: Any, tp_size: int) -> int:
-    """Distinct KV shards across ``tp_size`` ranks: vLLM's ``max_tp_shards`` where the
-    backend publishes it (1 for MLA: every rank holds the same latent KV), 1 for any MLA
-    spec, else one per rank. Ranks ``r`` with equal ``r // (tp_size // shards)`` hold the
-    same KV, as vLLM places replicated KV heads."""
-    shards = getattr(spec, "max_tp_shards", None)
-    if shards is None and "MLA" in type(spec).__name__:
-        shards = 1
+def kv_shards(spec: Any, tp_size: int, kv_tp_replicas: int | None = None) -> int:
+    """Distinct KV shards across ``tp_size`` ranks, as vLLM states them: its
+    ``kv_tp_replicas`` (consecutive ranks holding identical KV for every layer), else the
+    spec's ``max_tp_shards`` (1 for MLA: every rank holds the same latent KV), else one
+    per rank (vLLM: "unknown, treated as not replicated"). Ranks ``r`` with equal
+    ``r // (tp_size // shards)`` hold the same KV."""
+    shards: Any = getattr(spec, "max_tp_shards", None)
+    if isinstance(kv_tp_replicas, int) and kv_tp_replicas > 1 and tp_size % kv_tp_replicas == 0:
+        shards = tp_size // kv_tp_replicas
     if not isinstance(shards, int) or shards <= 0 or shards >= tp_size or tp_size % shards:
         return tp_size
     return shards
@@ -247,7 +248,7 @@ def build_identity(
     tp_size = int(getattr(pc, "tensor_parallel_size", 1))
     # Chunks are keyed by KV shard, not by rank: ranks holding the same KV share one copy,
     # and a pool at another TP size whose shards are the same (MLA at any TP) reads it.
-    shards = kv_shards(spec, tp_size)
+    shards = kv_shards(spec, tp_size, getattr(kv_cache_config, "kv_tp_replicas", None))
     replicas = tp_size // shards
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or mc.model)

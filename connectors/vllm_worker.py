@@ -343,8 +343,9 @@ class WorkerSide(ConnectorBase):
                 if ok[i] and i not in reasons:
                     tier = c.origin or sources[i] or c.source or "unknown"
                     served.append(tier)
-                    self._stats.inc("loaded_chunks", tier)
-                    self._stats.inc("loaded_bytes", tier, nbytes.get(i, 0))
+                    if self._id.writes:  # as stored_*: once per copy (MLA: rank 0's)
+                        self._stats.inc("loaded_chunks", tier)
+                        self._stats.inc("loaded_bytes", tier, nbytes.get(i, 0))
                     if self._tp_rank == 0:  # every rank loads the same tokens
                         self._stats.inc("hit_tokens", tier, c.tokens)
                     continue

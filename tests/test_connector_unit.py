@@ -201,9 +201,8 @@ def make_connector(
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout="LBHNC"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=tp),
     )
-    spec = (MLAAttentionSpec if mla else FullAttentionSpec)(
-        block_size=bs, num_kv_heads=H, head_size=HS, dtype=torch.float32
-    )
+    kw: dict[str, Any] = dict(block_size=bs, num_kv_heads=H, head_size=HS, dtype=torch.float32)
+    spec = MLAAttentionSpec(**kw, max_tp_shards=1) if mla else FullAttentionSpec(**kw)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kcc = KVCacheConfig(
         num_blocks=64,
@@ -1190,19 +1189,25 @@ def test_kv_caches_it_cannot_cut_into_chunks_are_refused_with_one_line() -> None
 
 
 def test_kv_shards_follow_vllms_replicas() -> None:
-    """Ranks holding one KV shard share its keys: vLLM's ``max_tp_shards`` where set
-    (TP=4 over 2 KV heads: ranks 0-1 and 2-3), 1 for MLA, else a shard per rank."""
+    """Ranks holding one KV shard share its keys, as vLLM states it: its
+    ``kv_tp_replicas``, else ``max_tp_shards`` (1 for MLA as vLLM builds it; TP=4 over 2
+    shards: ranks 0-1 and 2-3), else a shard per rank, an MLA spec without it included
+    (unknown: not replicated)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     from connectors.vllm_common import kv_shards
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
-    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                           max_tp_shards=1)  # fmt: skip
+    unknown = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
     two = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
                             max_tp_shards=2)  # fmt: skip
     assert [kv_shards(full, tp) for tp in (1, 2, 4)] == [1, 2, 4]
     assert [kv_shards(mla, tp) for tp in (1, 2, 4)] == [1, 1, 1]
     assert [kv_shards(two, tp) for tp in (1, 2, 4, 3)] == [1, 2, 2, 3]
+    assert [kv_shards(unknown, tp) for tp in (1, 2, 4)] == [1, 2, 4]
+    assert [kv_shards(full, 4, replicas) for replicas in (1, 2, 4, 3)] == [4, 2, 1, 4]
 
 
 @pytest.mark.parametrize("aliases", [True, False], ids=["aliases", "off"])

@@ -61,7 +61,10 @@ def _chunk_bytes(model: str | None, dtype: str, chunk_size: int) -> int:
     kvh = c.get("num_key_value_heads", heads)
     hd = c.get("head_dim") or c["hidden_size"] // heads
     nbytes = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}.get(dtype, 2)
-    return int(c["num_hidden_layers"]) * 2 * kvh * hd * nbytes * chunk_size
+    per_layer = 2 * kvh * hd  # K and V of every KV head, a token
+    if c.get("kv_lora_rank"):  # MLA: one latent plus the rope key
+        per_layer = int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim") or 0)
+    return int(c["num_hidden_layers"]) * per_layer * nbytes * chunk_size
 
 
 def _check_budget(cfg: CacheConfig, tiers: list[str], need: int) -> None:
@@ -179,7 +182,8 @@ def pin_add(
             path = model if model and os.path.exists(model) else r.model_id
             cb = max(cb, _chunk_bytes(path, r.dtype, r.chunk_size) // r.tp_world_size)
     elif fingerprints:
-        for h in fingerprints:  # one per TP rank, as the connector logs them
+        # One per KV shard, as the connector logs them (MLA: every rank logs the same one).
+        for h in dict.fromkeys(fingerprints):
             try:
                 digest = bytes.fromhex(h)
             except ValueError:
