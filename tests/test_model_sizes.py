@@ -8,6 +8,7 @@ a partial tail) is stored through the agent and read back byte-exact, from DRAM.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -123,3 +124,25 @@ def test_real_model_chunks_stored_in_dram_and_read_back(
             assert g[1].nbytes == p.nbytes and bytes(g[1]) == p.tobytes()
     finally:
         c.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "name"),
+    [
+        ({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+          "num_key_value_heads": 8}, "llama-3-8b"),
+        ({"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+          "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, "mla"),
+    ],
+)  # fmt: skip
+def test_pin_size_estimate_is_the_chunks_payload(
+    tmp_path: Path, config: dict[str, int], name: str
+) -> None:
+    """`pin add` sizes a pin from the model's config.json: an MLA model's chunk is its
+    latent plus rope key a layer (DeepSeek-V3: 576 values), not K and V of 128 heads."""
+    from tiered_cache.cli.pin_prefix import _chunk_bytes
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _chunk_bytes(str(tmp_path), "bfloat16", CHUNK) == paged_kv(name).payload_nbytes(
+        CHUNK // BLOCK
+    )
