@@ -206,20 +206,25 @@ class KVCopier:
             self._stage().buf.reserve(nbytes)
 
     def load_chunk(
-        self, block_ids: Sequence[int], src: torch.Tensor, *, src_pinned: bool = False
+        self,
+        block_ids: Sequence[int],
+        src: torch.Tensor,
+        *,
+        src_pinned: bool = False,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         """Scatter ``src`` ([L, n, *block], host; valid only during this call) into
-        ``block_ids``. A pageable source is first copied into the staging buffer, so the
-        device copy runs asynchronously; a page-locked one is copied directly and waited
-        for before returning."""
+        ``block_ids`` (into KV heads [lo, hi) only, with ``heads``). A pageable source is
+        first copied into the staging buffer, so the device copy runs asynchronously; a
+        page-locked one is copied directly and waited for before returning."""
         kv = self.kv
         if not self.dev.needs_pinned:
             with self.dev.on_copy_stream("load"):
-                kv.scatter(block_ids, src)
+                kv.scatter(block_ids, src, heads)
             return
         if src_pinned:
             with self.dev.on_copy_stream("load"):
-                kv.scatter(block_ids, src)
+                kv.scatter(block_ids, src, heads)
             self.dev.sync_copies("load")  # the caller may release the slot once we return
             return
         nbytes = src.numel() * src.element_size()
@@ -230,10 +235,10 @@ class KVCopier:
             st.used = 0
         buf = st.buf.reserve(nbytes)
         host = buf[st.used : st.used + nbytes].view(src.dtype).view(src.shape)
-        host.copy_(src)
+        host.copy_(src)  # contiguous: one DMA (a head slice of a chunk is strided)
         st.used += nbytes
         with self.dev.on_copy_stream("load"):
-            kv.scatter(block_ids, host)
+            kv.scatter(block_ids, host, heads)
 
     def load_end(self) -> None:
         """Wait for the batch's copies; the staging buffer is free again."""

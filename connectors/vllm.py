@@ -57,6 +57,13 @@ not save it (the router skipped the prefill), so the next turn finds this turn's
     since a helper thread would overlap nothing and its copy would start a second OpenMP
     team on the engine's cores; true moves it to a helper thread. On an accelerator the
     copy always runs on a side stream from a helper thread.
+``peer_tp_sizes`` (none)
+    the TP sizes of other pools whose chunks this one loads, e.g. ``[1]`` on a TP 2
+    decode behind a TP 1 prefill (``2`` or ``"1,2"`` also work). A chunk is looked up
+    under this pool's keys first, then under each peer's, and its ranks take the KV heads
+    they hold of the peer's shards (``connectors.vllm_tp``). Full attention only, and
+    every size must divide the model's KV heads (refused at start-up otherwise); MLA
+    needs none (its pools share keys at any TP size).
 ``model_id``
     model identity in the chunk fingerprint (default: vLLM's model path/name); set it
     when prefill and decode nodes name the same model differently.

@@ -21,6 +21,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.logger import init_logger
 
+from connectors import vllm_tp
 from connectors.vllm_kvio import dtype_name
 from connectors.vllm_metrics import StatsRecorder
 from tiered_cache import keys as tc_keys
@@ -296,6 +297,15 @@ def _chunk_bytes(kv_cache_config: KVCacheConfig | None, extra: Mapping[str, Any]
         return 0
 
 
+def _total_kv_heads(vllm_config: VllmConfig) -> int | None:
+    """The model's KV heads over all ranks (None where vLLM's config does not say)."""
+    get = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
+    try:
+        return int(get()) if callable(get) else None
+    except Exception:
+        return None
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -376,6 +386,17 @@ class ConnectorBase:
         self._block_size = self._id.block_size
         self._tp_world = self._fp.tp_world_size
         self._tp_rank = tp_rank
+        # Writer shard counts of the pools at other TP sizes whose chunks this one reads
+        # (``peer_tp_sizes``; connectors.vllm_tp): none by default.
+        spec = _single_group_spec(kv_cache_config).kv_cache_spec
+        self._peer_shards = vllm_tp.peer_shards(
+            vllm_tp.parse_sizes(self._extra.get("peer_tp_sizes")),
+            tp_size=int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)),
+            shards=self._tp_world,
+            rank_heads=int(getattr(spec, "num_kv_heads", 1)),
+            total_heads=_total_kv_heads(vllm_config),
+            shards_at=lambda n: kv_shards(spec, n),
+        )
         # Whole chunks saved also name their block-aligned prefixes (the agent's aliases:
         # a prompt diverging inside a chunk loads its shared blocks). Off with TP > 1:
         # other ranks compute their keys from the tokens, which give no alias.

@@ -240,8 +240,12 @@ class PagedKV:
         """Tokens per kernel block when views are split (None when they are not)."""
         return self.block_shape[1] // self.ratio if self.ratio > 1 else None
 
-    def payload_shape(self, n_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, n_blocks, *self.block_shape)
+    def payload_shape(self, n_blocks: int, heads: int | None = None) -> tuple[int, ...]:
+        """``[L, n_blocks, H, N, C]``; with ``heads``, a payload of that many KV heads (a
+        chunk another TP size wrote)."""
+        if heads is None:
+            return (self.num_layers, n_blocks, *self.block_shape)
+        return (self.num_layers, n_blocks, heads, *self.block_shape[1:])
 
     def payload_nbytes(self, n_blocks: int) -> int:
         return self.num_layers * n_blocks * self.block_bytes
@@ -261,8 +265,8 @@ class PagedKV:
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         """A canonical ``[n, H, r*N, C]`` tensor as ``[n, r, H, N, C]`` (a permuted view)."""
-        n = t.shape[0]
-        h, tok, c = self.block_shape
+        n, h = t.shape[0], t.shape[1]
+        _, tok, c = self.block_shape
         return t.view(n, h, self.ratio, tok // self.ratio, c).permute(0, 2, 1, 3, 4)
 
     def gather_layer_parts(
@@ -335,16 +339,27 @@ class PagedKV:
                 self._split(dev[li]).copy_(self._grouped[li].index_select(0, idx))
         out.copy_(dev, non_blocking=True)
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
+    def scatter(
+        self, block_ids: Sequence[int], src: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> None:
         """Write ``src`` ([L, n, *block_shape], host) into blocks ``block_ids`` of every layer.
+        With ``heads`` (lo, hi), ``src`` holds KV heads [lo, hi) of each block only (part of
+        a chunk written at another TP size) and the other heads are left as they are.
 
         On an accelerator the copies are queued on the current stream; ``src`` must stay
         valid (and unchanged) until they are done."""
         self._check_ids(block_ids)
-        if tuple(src.shape) != self.payload_shape(len(block_ids)):
-            raise ValueError(
-                f"payload shape {tuple(src.shape)} != {self.payload_shape(len(block_ids))}"
-            )
+        n_heads = self.block_shape[0]
+        if heads is not None and tuple(heads) == (0, n_heads):
+            heads = None
+        want = self.payload_shape(len(block_ids), None if heads is None else heads[1] - heads[0])
+        if heads is not None and not 0 <= heads[0] < heads[1] <= n_heads:
+            raise ValueError(f"head range {heads} outside [0, {n_heads})")
+        if tuple(src.shape) != want:
+            raise ValueError(f"payload shape {tuple(src.shape)} != {want}")
+        if heads is not None:
+            self._scatter_heads(block_ids, src, heads)
+            return
         idx = self._index(block_ids)
         if self.on_host and self._stack is not None and self.ratio == 1:
             # CPU: index_copy_ runs at ~0.5 GB/s there; a slice copy per run of consecutive
@@ -370,6 +385,28 @@ class PagedKV:
             if self.ratio > 1:
                 s = self._split(s)
             self._grouped[li].index_copy_(0, idx, s)
+
+    def _scatter_heads(
+        self, block_ids: Sequence[int], src: torch.Tensor, heads: tuple[int, int]
+    ) -> None:
+        """``scatter`` into KV heads [lo, hi) of each block: a strided destination (per
+        (layer, block), ``hi - lo`` heads of ``N x C`` each), one copy per layer."""
+        lo, n = heads[0], heads[1] - heads[0]
+        hdim = 2 if self.ratio > 1 else 1  # [B, (r,) H, N, C]
+        if self.on_host and self._stack is not None and self.ratio == 1:
+            j = 0
+            dst = self._stack.narrow(2, lo, n)
+            for a, k in _runs(block_ids):
+                dst[:, a : a + k].copy_(src[:, j : j + k])
+                j += k
+            return
+        idx = self._index(block_ids)
+        dsrc = src if self.on_host else src.to(self.device, non_blocking=True)
+        for li in range(self.num_layers):
+            s = dsrc[li]
+            if self.ratio > 1:
+                s = self._split(s)
+            self._grouped[li].narrow(hdim, lo, n).index_copy_(0, idx, s)
 
 
 def _stacked(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -42,6 +42,9 @@ class LoadChunk:
     source: str = ""  # where the scheduler's lookup found it
     tokens: int = 0  # prompt tokens this load provides to the request
     origin: str = ""  # where it came from, when prefetched into DRAM for this load
+    # The writer's KV shards when a pool at another TP size wrote it (``key`` is its
+    # shard 0's; connectors.vllm_tp); 0: this pool's own shards.
+    shards: int = 0
 
 
 @dataclass
@@ -50,7 +53,8 @@ class LoadJob:
     chunks: list[LoadChunk]
     is_async: bool
     num_tokens: int
-    # Only with tensor parallelism > 1: ranks other than 0 derive their own keys.
+    # Only with tensor parallelism > 1, or chunks another TP size wrote: ranks derive
+    # the keys of their shards from them.
     token_ids: list[int] | None = None
     cache_salt: str | None = None
 

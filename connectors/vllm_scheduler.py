@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+from connectors import vllm_tp
 from connectors.vllm_common import ConnectorArgs, ConnectorBase, _chunk_bytes, logger
 from connectors.vllm_events import describe_chunks
 from connectors.vllm_kvio import ChunkSpan, load_block_ranges, loadable_spans
@@ -42,6 +43,12 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+def _pool(f: int) -> int:
+    """The read pool (``_Wait.kset``) of a chunk found under ``f`` (negative: a partial
+    chunk found under pool ``-1 - f``)."""
+    return f if f >= 0 else -1 - f
+
+
 _SOURCE_TO_HIT = {"dram": "HOST", "nvme": "DISK", "peer": "P2P", "s3": "EXTERNAL_UNSPECIFIED"}
 
 
@@ -57,6 +64,8 @@ class _Match:
     # The last chunk is an earlier prompt's partial chunk, or the first blocks of one of
     # its whole chunks: (index, tokens, key, tokens the stored chunk holds).
     partial: tuple[int, int, str, int] | None = None
+    keys: list[str] = field(default_factory=list)  # each chunk's key, as found
+    shards: list[int] = field(default_factory=list)  # its writer's shards (0: this pool's)
 
 
 @dataclass
@@ -66,6 +75,15 @@ class _Wait:
     t0: float  # when the request arrived
     keys: list[str]  # its loadable chunks' keys
     coming: int  # leading chunks the prefill said it saved
+    # The same chunks' keys under each pool's shard 0 this one reads (``_read_fps``:
+    # its own first, then ``peer_tp_sizes``'), and the key and pool each found chunk
+    # was found under.
+    kset: list[list[str]] = field(default_factory=list)
+    salt: str | None = None
+    prompt: Sequence[int] = ()
+    load_keys: list[str] = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
+    shard_keys: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
     costs: list[float] = field(default_factory=list)
     looked_at: float = -1.0
@@ -76,6 +94,7 @@ class _Wait:
     origin: dict[int, str] = field(default_factory=dict)  # chunk -> remote source seen
     requested: set[int] = field(default_factory=set)  # chunks asked to be prefetched
     probed: bool = False  # looked for an earlier prompt's partial chunk
+    partial_src: int = 0  # the read pool (``kset``) it was looked for under
     # That chunk, when found: (index, tokens, key, source, expected load seconds, tokens
     # the stored chunk holds: more than ``tokens`` for a whole chunk's first blocks).
     partial: tuple[int, int, str, str, float, int] | None = None
@@ -117,6 +136,11 @@ class SchedulerSide(ConnectorBase):
         # whether this step already held the scheduler for arriving chunks (once a step).
         self._idle = False
         self._held = False
+        # Chunks of the pools at other TP sizes (``peer_tp_sizes``) are found under their
+        # shard 0's keys; a chunk is loaded from the first pool that has it.
+        self._read_shards = [self._tp_world, *self._peer_shards]
+        self._read_fps = [self._fp] + [vllm_tp.shard_fingerprint(self._fp, 0, n)
+                                       for n in self._peer_shards]  # fmt: skip
         mc = self._vllm_config.model_config  # the model KV events' topics name
         served = getattr(mc, "served_model_name", None)
         names = [served] if isinstance(served, str) else list(served or [])
@@ -229,15 +253,18 @@ class SchedulerSide(ConnectorBase):
         now = time.monotonic()
         w = self._waits.get(rid)
         if w is None:
-            keys = self._req_keys(prompt, self._salt(request))[: len(spans)]
-            coming = 0 if rid in self._planned else self._coming(request, keys)
-            w = self._waits[rid] = _Wait(self._first_seen.setdefault(rid, now), keys, coming)
+            salt = self._salt(request)
+            kset = [self._req_keys(prompt, salt, fp)[: len(spans)] for fp in self._read_fps]
+            coming = 0 if rid in self._planned else max(self._coming(request, ks)
+                                                        for ks in kset)  # fmt: skip
+            w = self._waits[rid] = _Wait(self._first_seen.setdefault(rid, now), kset[0],
+                                         coming, kset, salt, prompt)  # fmt: skip
         if self._guard.down:
             self._cache_up()  # maybe probe, off this request's path
             self._count_once(rid, "unavailable")
             return 0, False  # the cache is down: recompute, never wait for it
         if w.looked_at < 0 or now - w.looked_at >= self._poll_s:
-            w.sources, w.costs = self._lookup_priced(w.keys, w.coming > 0 and not w.gave_up)
+            self._look(w, w.coming > 0 and not w.gave_up)
             w.looked_at = now
             for i, src in enumerate(w.sources):  # a staged chunk counts where it came from
                 if src not in NODE_TIERS:
@@ -267,13 +294,15 @@ class SchedulerSide(ConnectorBase):
         if not w.probed and hit < len(spans) and (hit >= w.coming or w.gave_up):
             w.probed = True
             w.partial = self._probe_partial(prompt, self._salt(request), w, spans[hit])
-        keys = list(w.keys)
+        keys = [*w.load_keys, *w.keys[len(w.load_keys):]]
+        srcs = list(w.src)
         if w.partial is not None and hit == w.partial[0]:
             idx, ptok, pkey, psrc, pcost, _ = w.partial
             spans = [*spans[:hit], ChunkSpan(idx, spans[idx].start, spans[idx].start + ptok,
                                              self._block_size)]  # fmt: skip
             keys[idx] = pkey
-            sources, costs = [*sources, psrc], [*costs, pcost]
+            # Under the pool that wrote the chunk before it; negative: a partial chunk.
+            sources, costs, srcs = [*sources, psrc], [*costs, pcost], [*srcs, -1 - w.partial_src]
             hit += 1
 
         # 2. Fetch or recompute: the prefix whose load saves the most time.
@@ -292,7 +321,8 @@ class SchedulerSide(ConnectorBase):
         #    a busy DRAM) counts as arrived: local reads cost milliseconds.
         remote = [i for i in range(first, k) if sources[i] not in NODE_TIERS]
         if remote and self._prefetch_remote():
-            ask = [keys[i] for i in remote if i not in w.requested]
+            every = {i: self._shard_keys(w, prompt, i, keys[i], srcs[i]) for i in remote}
+            ask = [kd for i in remote if i not in w.requested for kd in every[i]]
             if ask:
                 if w.fetch_t0 is None:
                     w.fetch_t0 = now
@@ -305,15 +335,12 @@ class SchedulerSide(ConnectorBase):
                         sum(costs[i] for i in remote),
                     )
                 w.requested.update(remote)
-                self._guarded("prefetch", lambda st: st.prefetch(ask, self._fp.digest), 0)
-            here = self._in_dram([keys[i] for i in remote])
-            for i, arrived in zip(remote, here, strict=True):
-                if arrived:
-                    sources[i] = "dram"
+                self._prefetch(ask)
+            self._mark_arrived(sources, every, remote)
             late = [i for i in remote if sources[i] not in NODE_TIERS]
             if late and self._idle and not self._held:
                 self._held = True
-                late = self._await_landing(w, keys, sources, late, now)
+                late = self._await_landing(w, every, sources, late, now)
                 now = time.monotonic()
             if late:
                 assert w.fetch_t0 is not None
@@ -341,13 +368,105 @@ class SchedulerSide(ConnectorBase):
         partial = None
         if w.partial is not None and k == w.partial[0] + 1:
             partial = (w.partial[0], w.partial[1], w.partial[2], w.partial[5])
+        shards = [self._read_shards[g] if (g := _pool(f)) else 0 for f in srcs[:k]]
         self._matches[rid] = _Match(
-            num_computed_tokens, sources[:k], origins, hit_end, is_async, partial
-        )
+            num_computed_tokens, sources[:k], origins, hit_end, is_async, partial,
+            keys[:k], shards,
+        )  # fmt: skip
         return ext, is_async
 
+    def _look(self, w: _Wait, fresh: bool) -> None:
+        """Find ``w``'s leading chunks: under this pool's keys, and where those stop,
+        under each other pool's (``peer_tp_sizes``), taking turns until none goes
+        further (a decode's later turn: the prefill's chunks, then its own). One lookup
+        without peers."""
+        if len(w.kset) == 1:
+            w.sources, w.costs = self._lookup_priced(w.keys, fresh)
+            w.load_keys, w.src = w.keys[: len(w.sources)], [0] * len(w.sources)
+            return
+        n = len(w.keys)
+        sources: list[str] = []
+        costs: list[float] = []
+        keys: list[str] = []
+        src: list[int] = []
+        f, stalled = 0, 0
+        while len(sources) < n and stalled < len(w.kset):
+            pos = len(sources)
+            found, cost = self._lookup_priced(w.kset[f][pos:], fresh)
+            if self._guard.down:
+                break
+            if found and f and self._read_shards[f] > 1:
+                # A rank here joins several of that pool's shards: every one must be there
+                # (one still being written by its rank is not loaded yet).
+                n_all = self._all_shards(w, f, pos, len(found))
+                found, cost = found[:n_all], cost[:n_all]
+            if found:
+                sources += found
+                costs += cost
+                keys += w.kset[f][pos : pos + len(found)]
+                src += [f] * len(found)
+                stalled = 1  # this pool just stopped: the others may go on
+            else:
+                stalled += 1
+            f = (f + 1) % len(w.kset)
+        w.sources, w.costs, w.load_keys, w.src = sources, costs, keys, src
+
+    def _all_shards(self, w: _Wait, f: int, pos: int, n: int) -> int:
+        """How many of chunks [pos, pos + n), found under pool ``f``'s shard 0, every
+        other shard of that pool holds too."""
+        for s in range(1, self._read_shards[f]):
+            keys = [k for k, _ in (self._shard_keys(w, w.prompt, i, "", f)[s]
+                                   for i in range(pos, pos + n))]  # fmt: skip
+            n = min(n, len(self._lookup(keys)))
+        return n
+
+    def _shard_keys(
+        self, w: _Wait, prompt: Sequence[int], i: int, key: str, f: int
+    ) -> list[tuple[str, bytes]]:
+        """Every writer shard's key of chunk ``i`` and the fingerprint it is verified
+        against (``key``: shard 0's, under read pool ``f``): what a prefetch copies into
+        DRAM, so that no rank reads a remote tier in the forward pass. An earlier
+        prompt's partial chunk (``f`` < 0: pool ``-1 - f``) is asked for by its own key
+        only."""
+        if f < 0:
+            return [(key, self._read_fps[_pool(f)].digest)]
+        shards = self._read_shards[f]
+        out = [(key, self._read_fps[f].digest)]
+        for s in range(1, shards):
+            fp = vllm_tp.shard_fingerprint(self._read_fps[f], s, shards)
+            ks = w.shard_keys.get((f, s))
+            if ks is None:
+                ks = w.shard_keys[(f, s)] = self._req_keys(prompt, w.salt, fp)
+            out.append((ks[i], fp.digest))
+        return out
+
+    def _prefetch(self, keys: Sequence[tuple[str, bytes]], wait: float = 0.0) -> None:
+        """Copy ``keys`` into DRAM: one call per fingerprint they are verified against."""
+        by_fp: dict[bytes, list[str]] = {}
+        for key, digest in keys:
+            by_fp.setdefault(digest, []).append(key)
+        for digest, ks in by_fp.items():
+
+            def ask(st: SlotStore, d: bytes = digest, k: list[str] = ks) -> int:
+                return st.prefetch(k, d, wait)
+
+            self._guarded("prefetch", ask, 0)
+
+    def _mark_arrived(
+        self, sources: list[str], every: Mapping[int, list[tuple[str, bytes]]],
+        chunks: Sequence[int],
+    ) -> None:
+        """A chunk counts as in DRAM once every shard's copy is."""
+        flat = [key for i in chunks for key, _ in every[i]]
+        here = iter(self._in_dram(flat))
+        for i in chunks:
+            if all([next(here) for _ in every[i]]):
+                sources[i] = "dram"
+
     def _await_landing(
-        self, w: _Wait, keys: Sequence[str], sources: list[str], late: list[int], now: float
+        self, w: _Wait, every: Mapping[int, list[tuple[str, bytes]]], sources: list[str],
+        late: list[int],
+        now: float,
     ) -> list[int]:
         """With nothing else to run, the engine would only spin on this request (a step a
         millisecond, each asking again; on a small host that CPU is what the agent needs to
@@ -359,11 +478,8 @@ class SchedulerSide(ConnectorBase):
         wait = min(self._poll_s, w.fetch_budget - (now - w.fetch_t0))
         if wait <= 0:
             return late
-        ask = [keys[i] for i in late]
-        self._guarded("prefetch", lambda st: st.prefetch(ask, self._fp.digest, wait), 0)
-        for i, arrived in zip(late, self._in_dram(ask), strict=True):
-            if arrived:
-                sources[i] = "dram"
+        self._prefetch([kd for i in late for kd in every[i]], wait)
+        self._mark_arrived(sources, every, late)
         return [i for i in late if sources[i] not in NODE_TIERS]
 
     def _probe_partial(
@@ -377,21 +493,26 @@ class SchedulerSide(ConnectorBase):
         lengths = tc_keys.probe_lengths(span.num_tokens - 1)
         if not lengths:
             return None
-        parent = w.keys[span.index - 1] if span.index else None
-        cands = tc_keys.partial_keys(
-            prompt[span.start : span.end], self._fp, salt, parent, 0, lengths
-        )
+        # Under every pool's keys this one reads (a decode's own, for the tail it saved
+        # of the previous turn; a prefill's, for that prompt's): longest first.
+        text = prompt[span.start : span.end]
+        cands = [(n_tok, f, key) for f, fp in enumerate(self._read_fps)
+                 for n_tok, key in zip(lengths, tc_keys.partial_keys(
+                     text, fp, salt, w.kset[f][span.index - 1] if span.index else None, 0,
+                     lengths), strict=True)]  # fmt: skip
+        cands.sort(key=lambda c: -c[0])  # stable: this pool's first at each length
         nbytes = self._chunk_bytes * lengths[0] // self._chunk_size
 
         def probe(st: SlotStore) -> list[tuple[str, float, str] | None]:
-            return st.present(cands, nbytes)
+            return st.present([key for *_, key in cands], nbytes)
 
         none: list[tuple[str, float, str] | None] = []
-        for n_tok, key, found in zip(lengths, cands, self._guarded("lookup", probe, none),
-                                     strict=False):  # fmt: skip
+        for (n_tok, f, key), found in zip(cands, self._guarded("lookup", probe, none),
+                                          strict=False):  # fmt: skip
             if found is not None:
                 src, cost, load_key = found
                 whole = n_tok if load_key == key else self._chunk_size
+                w.partial_src = f
                 return span.index, n_tok, load_key, src, cost, whole
         return None
 
@@ -457,7 +578,7 @@ class SchedulerSide(ConnectorBase):
         start = m.num_computed
         end = start + num_external_tokens
         n_hit = len(m.sources)
-        spans, keys = st.spans[:n_hit], st.keys[:n_hit]
+        spans, keys = st.spans[:n_hit], (m.keys or st.keys)[:n_hit]
         stored: dict[int, int] = {}  # index -> tokens its stored chunk holds, where more
         if m.partial is not None:  # the last one is an earlier prompt's partial chunk
             idx, ptok, pkey, whole = m.partial
@@ -485,6 +606,7 @@ class SchedulerSide(ConnectorBase):
                     source=src,
                     tokens=ntok,
                     origin=origin if origin != src else "",
+                    shards=m.shards[s.index] if s.index < len(m.shards) else 0,
                 )
             )
             by_source[origin] = by_source.get(origin, 0) + ntok
@@ -508,13 +630,14 @@ class SchedulerSide(ConnectorBase):
         # Sync or async as get_num_new_matched_tokens told vLLM: a job vLLM waits for in
         # WAITING_FOR_REMOTE_KVS must be reported by get_finished, so it must run async.
         is_async = m.is_async
+        derive = self._tp_world > 1 or any(c.shards for c in chunks)
         job = LoadJob(
             rid,
             chunks,
             is_async,
             num_external_tokens,
-            token_ids=st.prompt if self._tp_world > 1 else None,
-            cache_salt=st.salt if self._tp_world > 1 else None,
+            token_ids=st.prompt if derive else None,
+            cache_salt=st.salt if derive else None,
         )
         self._pending_loads.append(job)
         logger.info(

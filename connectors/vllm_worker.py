@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from connectors import vllm_tp
 from connectors.kv_copy import KVCopier, SaveCopy
 from connectors.kv_device import KVDevice, Timing, device_for
 from connectors.vllm_common import (
@@ -54,6 +55,19 @@ class _StepSave:
     copy: SaveCopy | None = None
     t0: float = 0.0
     skipped: bool = False  # the agent is down: this step saves nothing
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One fetch of a chunk's load: ``key``, verified against fingerprint ``digest``, is a
+    payload of ``shape`` whose heads ``src`` go to heads ``dst`` of the chunk's blocks
+    (None: all of them, a chunk of this rank's own shard)."""
+
+    key: str
+    digest: bytes
+    shape: tuple[int, ...]
+    src: tuple[int, int] | None
+    dst: tuple[int, int] | None
 
 
 class WorkerSide(ConnectorBase):
@@ -173,15 +187,48 @@ class WorkerSide(ConnectorBase):
         return [self._rank_key(ks, tokens, salt, c.index, c.num_tokens)[0] for c in chunks]
 
     def _rank_key(self, ks: Sequence[str], tokens: Sequence[int], salt: str | None,
-                  index: int, num_tokens: int) -> tuple[str, str | None]:
-        """This rank's key and parent key of the chunk at ``index`` of ``num_tokens``
-        tokens (``ks``: its keys of the prompt): a whole chunk, or a partial one (the
-        prompt's tail, or the block-aligned copy of an earlier, shorter prompt's)."""
+                  index: int, num_tokens: int,
+                  fp: tc_keys.ModelFingerprint | None = None) -> tuple[str, str | None]:
+        """This rank's key (or, with ``fp``, that shard's) and parent key of the chunk at
+        ``index`` of ``num_tokens`` tokens (``ks``: its keys of the prompt): a whole chunk,
+        or a partial one (the prompt's tail, or the block-aligned copy of an earlier,
+        shorter prompt's)."""
         parent = ks[index - 1] if index else None
         if num_tokens < self._chunk_size:
             start = index * self._chunk_size
-            return tc_keys.partial_keys(tokens, self._fp, salt, parent, start, [num_tokens])[0], parent
+            return tc_keys.partial_keys(tokens, fp or self._fp, salt, parent, start,
+                                        [num_tokens])[0], parent  # fmt: skip
         return ks[index], parent
+
+    def _parts(self, job: LoadJob, keys: Sequence[str], kv: PagedKV) -> list[list[_Part]]:
+        """What this rank fetches for each chunk of ``job``: its own shard's chunk, or
+        for a chunk a pool at another TP size wrote, the heads it needs of each writer
+        shard (``connectors.vllm_tp``), their keys derived from the tokens."""
+        own = self._fp.digest
+        out: list[list[_Part]] = []
+        derived: dict[int, list[str]] = {}
+        for c, key in zip(job.chunks, keys, strict=True):
+            if not c.shards:
+                out.append([_Part(key, own, kv.payload_shape(c.n_blocks), None, None)])
+                continue
+            total = kv.block_shape[0] * self._tp_world
+            parts: list[_Part] = []
+            for hp in vllm_tp.head_parts(total, self._tp_world, self._fp.tp_rank, c.shards):
+                fp = vllm_tp.shard_fingerprint(self._fp, hp.shard, c.shards)
+                k = c.key
+                if hp.shard:
+                    if job.token_ids is None:
+                        raise RuntimeError("a chunk of another TP size came without tokens")
+                    ks = derived.get(c.shards * 1000 + hp.shard)
+                    if ks is None:
+                        ks = self._req_keys(job.token_ids, job.cache_salt, fp)
+                        derived[c.shards * 1000 + hp.shard] = ks
+                    k = self._rank_key(ks, job.token_ids, job.cache_salt, c.index,
+                                       c.num_tokens, fp)[0]  # fmt: skip
+                shape = kv.payload_shape(c.n_blocks, total // c.shards)
+                parts.append(_Part(k, fp.digest, shape, hp.src, hp.dst))
+            out.append(parts)
+        return out
 
     # -- loading
 
@@ -277,8 +324,9 @@ class WorkerSide(ConnectorBase):
         self._guard.ok()
         return failed
 
-    def _check_meta(self, meta: ChunkMeta, c: LoadChunk, kv: PagedKV) -> str | None:
-        want_shape = kv.payload_shape(c.n_blocks)
+    def _check_meta(
+        self, meta: ChunkMeta, c: LoadChunk, kv: PagedKV, want_shape: tuple[int, ...]
+    ) -> str | None:
         if meta.kv_layout != self._id.kv_layout:
             return f"KV layout {meta.kv_layout!r} != this node's {self._id.kv_layout!r}"
         if meta.block_size != self._block_size:
@@ -298,7 +346,7 @@ class WorkerSide(ConnectorBase):
             raise RuntimeError("KV caches were not registered")
         t0 = time.perf_counter()
         keys = self._worker_keys(job.chunks, job.token_ids, job.cache_salt)
-        digest = self._fp.digest
+        plan = self._parts(job, keys, kv)
         copier = self._copier
         assert copier is not None
         dev = self._dev
@@ -306,37 +354,62 @@ class WorkerSide(ConnectorBase):
         kinds: dict[int, str] = {}  # recompute_fallbacks reason of a refused chunk
         nbytes: dict[int, int] = {}
         chunks: list[LoadChunk] = []  # the batch being fetched
+        parts: list[tuple[int, _Part]] = []  # its fetches: (chunk in the batch, part)
 
-        def sink(i: int, meta: ChunkMeta, payload: memoryview) -> None:
-            c = chunks[i]
-            nbytes[i] = payload.nbytes
-            if reasons and min(reasons) < i:
-                reasons[i] = "an earlier chunk failed"
-                return
-            try:
-                bad = self._check_meta(meta, c, kv)
-                if bad is not None:
-                    reasons[i], kinds[i] = bad, "layout_mismatch"
+        def sink_of(group: list[int]) -> Callable[[int, ChunkMeta, memoryview], None]:
+            def sink(j: int, meta: ChunkMeta, payload: memoryview) -> None:
+                i, p = parts[group[j]]
+                c = chunks[i]
+                nbytes[i] = nbytes.get(i, 0) + payload.nbytes
+                if reasons and min(reasons) < i:
+                    reasons.setdefault(i, "an earlier chunk failed")
                     return
-                src = payload_tensor(payload, kv.dtype, kv.payload_shape(c.n_blocks))
-                src = src[:, c.lo : c.lo + len(c.block_ids)]
-                # The payload is valid only during this call: a page-locked pool is copied
-                # from directly (and waited for), anything else through pinned staging.
-                copier.load_chunk(c.block_ids, src,
-                                  src_pinned=dev.needs_pinned and src.is_pinned())  # fmt: skip
-            except Exception as e:  # never let a bad chunk take the engine down
-                reasons[i], kinds[i] = f"copy failed: {e!r}", "copy_error"
+                try:
+                    bad = self._check_meta(meta, c, kv, p.shape)
+                    if bad is not None:
+                        reasons[i], kinds[i] = bad, "layout_mismatch"
+                        return
+                    src = payload_tensor(payload, kv.dtype, p.shape)
+                    src = src[:, c.lo : c.lo + len(c.block_ids)]
+                    if p.src is not None:  # the heads this rank holds of another TP's shard
+                        src = src[:, :, p.src[0] : p.src[1]]
+                    # The payload is valid only during this call: a page-locked pool is
+                    # copied from directly (and waited for), anything else (a head slice
+                    # too: strided) through pinned staging.
+                    pinned = dev.needs_pinned and p.src is None and src.is_pinned()
+                    copier.load_chunk(c.block_ids, src, src_pinned=pinned, heads=p.dst)
+                except Exception as e:  # never let a bad chunk take the engine down
+                    reasons[i], kinds[i] = f"copy failed: {e!r}", "copy_error"
+
+            return sink
 
         served: list[str] = []  # the tier that served each loaded chunk
         failed_at: int | None = None
         for b0 in range(0, len(job.chunks), self._load_batch):
             chunks[:] = job.chunks[b0 : b0 + self._load_batch]
+            parts[:] = [(i, p) for i, ps in enumerate(plan[b0 : b0 + self._load_batch])
+                        for p in ps]  # fmt: skip
+            groups: dict[bytes, list[int]] = {}  # one store call per fingerprint
+            for g, (_, p) in enumerate(parts):
+                groups.setdefault(p.digest, []).append(g)
+            ok = [True] * len(chunks)
+            sources = [""] * len(chunks)
+            refused: dict[int, str] = {}
             copier.reserve_staging(sum(kv.payload_nbytes(len(c.block_ids)) for c in chunks))
             copier.load_begin(after)
             try:
-                ok, sources, refused = _fetch(
-                    store, keys[b0 : b0 + self._load_batch], digest, sink
-                )
+                for digest, group in groups.items():
+                    got, srcs, why = _fetch(
+                        store, [parts[g][1].key for g in group], digest, sink_of(group)
+                    )
+                    for j, g in enumerate(group):
+                        i = parts[g][0]
+                        if not got[j]:
+                            ok[i] = False
+                            if j in why:
+                                refused.setdefault(i, why[j])
+                        elif not sources[i]:
+                            sources[i] = srcs[j]
             finally:
                 copier.load_end()
             for i, c in enumerate(chunks):
@@ -350,14 +423,14 @@ class WorkerSide(ConnectorBase):
                         self._stats.inc("hit_tokens", tier, c.tokens)
                     continue
                 kind = kinds.get(i) or _REFUSED.get(refused.get(i, ""), "missing")
-                why = reasons.get(i) or _WHY[kind]
+                why_not = reasons.get(i) or _WHY[kind]
                 self._stats.inc("recompute_fallbacks", kind)
                 if kind == "layout_mismatch":
                     self._stats.inc("layout_mismatches")
                 self._log_once(
-                    f"loadfail:{why[:40]}",
+                    f"loadfail:{why_not[:40]}",
                     "tiered cache: chunk %s (req %s, #%d) not loaded: %s; vLLM recomputes it",
-                    c.key, job.req_id, c.index, why,
+                    c.key, job.req_id, c.index, why_not,
                 )
                 failed_at = b0 + i
                 break

@@ -34,11 +34,13 @@ CHUNK = 64
 
 
 def kv_layers(
-    num_blocks: int = 64, seed: int = 0, dtype: torch.dtype = torch.float32, bs: int = BS
+    num_blocks: int = 64, seed: int = 0, dtype: torch.dtype = torch.float32, bs: int = BS,
+    heads: int = H,
 ) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(num_blocks, H, bs, 2 * HS, generator=g).to(dtype) for _ in range(LAYERS)
+        torch.randn(num_blocks, heads, bs, 2 * HS, generator=g).to(dtype)
+        for _ in range(LAYERS)
     ]
 
 
@@ -104,6 +106,41 @@ def test_scatter_rejects_bad_shape_and_ids() -> None:
         kv.scatter([0, 1], torch.zeros(LAYERS, 3, H, BS, 2 * HS))
     with pytest.raises(IndexError):
         kv.scatter([8], torch.zeros(LAYERS, 1, H, BS, 2 * HS))
+
+
+@pytest.mark.parametrize("split", [1, 2])  # 2: views of half blocks (kernel blocks)
+def test_scatter_into_a_head_range_leaves_the_other_heads(split: int) -> None:
+    """A chunk another TP size wrote fills some of a block's KV heads: the others (from
+    another chunk, or not loaded yet) are not touched."""
+    layers = [torch.zeros(16 * split, 4, BS // split, 2 * HS) for _ in range(LAYERS)]
+    kv = PagedKV(layers, block_size=BS)
+    src = torch.randn(LAYERS, 3, 2, BS, 2 * HS)  # heads 1 and 2 of blocks 4, 5 and 9
+    kv.scatter([4, 5, 9], src, heads=(1, 3))
+    out = torch.empty(kv.payload_shape(3))
+    kv.gather([4, 5, 9], out)
+    assert torch.equal(out[:, :, 1:3], src)
+    assert not out[:, :, 0].any() and not out[:, :, 3].any()
+    assert sum(int(t.count_nonzero()) for t in layers) == src.numel()  # nothing else
+    with pytest.raises(ValueError, match="shape"):
+        kv.scatter([4], src[:, :1], heads=(0, 1))
+    with pytest.raises(ValueError, match="outside"):
+        kv.scatter([4], src[:, :1], heads=(3, 5))
+
+
+@pytest.mark.parametrize(("total", "readers", "writers"),
+                         [(2, 2, 1), (2, 1, 2), (8, 4, 2), (8, 2, 4), (8, 8, 8), (6, 3, 2)])
+def test_head_parts_cover_each_ranks_heads_once(total: int, readers: int, writers: int) -> None:
+    """Reader ranks at one TP size take every head, once, from the writer shards of
+    another: joined in order they are the model's heads."""
+    from connectors.vllm_tp import head_parts
+
+    heads = torch.arange(total)
+    shards = heads.chunk(writers)  # shard w holds heads [w*H/W, (w+1)*H/W)
+    for r, want in enumerate(heads.chunk(readers)):
+        got = torch.full((total // readers,), -1)
+        for p in head_parts(total, readers, r, writers):
+            got[p.dst[0] : p.dst[1]] = shards[p.shard][p.src[0] : p.src[1]]
+        assert torch.equal(got, want), r
 
 
 def test_paged_kv_works_on_strided_layer_views() -> None:
@@ -178,7 +215,7 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryChunkStore]:
 
 def make_connector(
     mod: Any, role: str, kv_role: str, bs: int = BS, tp: int = 1, mla: bool = False,
-    **extra: Any,
+    heads: int = H, total_heads: int | None = None, **extra: Any,
 ) -> Any:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -197,11 +234,13 @@ def make_connector(
     )
     cfg = SimpleNamespace(
         kv_transfer_config=ktc,
-        model_config=SimpleNamespace(model="unit/tiny", dtype=torch.float32),
+        model_config=SimpleNamespace(model="unit/tiny", dtype=torch.float32,
+                                     get_total_num_kv_heads=lambda: total_heads or heads * tp),
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout="LBHNC"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=tp),
     )
-    kw: dict[str, Any] = dict(block_size=bs, num_kv_heads=H, head_size=HS, dtype=torch.float32)
+    kw: dict[str, Any] = dict(block_size=bs, num_kv_heads=heads, head_size=HS,
+                              dtype=torch.float32)  # fmt: skip
     spec = MLAAttentionSpec(**kw, max_tp_shards=1) if mla else FullAttentionSpec(**kw)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kcc = KVCacheConfig(
@@ -1068,16 +1107,17 @@ class TP2Node:
     each with KV of its own (its fingerprint names its rank, so its keys differ)."""
 
     def __init__(self, mod: Any, kv_role: str, seed: int, monkeypatch: pytest.MonkeyPatch,
-                 zero: bool = False, same_kv: bool = False, **extra: Any):  # fmt: skip
+                 zero: bool = False, same_kv: bool = False, heads: int = H,
+                 **extra: Any):  # fmt: skip
         import connectors.vllm_common as common
 
-        self.sched = make_connector(mod, "scheduler", kv_role, tp=2, **extra)
+        self.sched = make_connector(mod, "scheduler", kv_role, tp=2, heads=heads, **extra)
         self.workers: list[Any] = []
         self.layers: list[list[torch.Tensor]] = []
         for rank in (0, 1):
             monkeypatch.setattr(common, "_tp_rank", lambda r=rank: r)
-            w = make_connector(mod, "worker", kv_role, tp=2, **extra)
-            layers = kv_layers(64, 10 * seed + (0 if same_kv else rank))
+            w = make_connector(mod, "worker", kv_role, tp=2, heads=heads, **extra)
+            layers = kv_layers(64, 10 * seed + (0 if same_kv else rank), heads=heads)
             if zero:
                 layers = [torch.zeros_like(t) for t in layers]
             w.register_kv_caches({f"model.layers.{i}.self_attn.attn": t
@@ -1154,6 +1194,104 @@ def test_mla_is_stored_once_at_any_tp_and_read_at_another(
         assert w.get_block_ids_with_load_errors() == set(), f"rank {rank}"
         for li in range(LAYERS):
             assert same_150_tokens(d2.layers[rank][li], blocks, one.layers[li]), (rank, li)
+
+
+def write_prompt(node: Any, rid: str = "p1", prompt: list[int] = PROMPT) -> None:
+    """``node`` (a Node or a TP2Node) computes ``prompt`` into P_BLOCKS and saves it."""
+    req = FakeRequest(rid, prompt)
+    node.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    node.step(sched_output([(req, P_BLOCKS, 0, len(prompt))]))
+    node.sched.request_finished(req, P_BLOCKS)
+
+
+def test_a_pool_at_another_tp_size_loads_the_heads_it_holds(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TP=1 pool's chunk holds both KV heads; a TP=2 pool that lists it in
+    ``peer_tp_sizes`` finds it under the TP=1 keys and each rank loads its own head of
+    it. Back the other way, a TP=1 reader joins the two ranks' chunks. Without the
+    setting the pools share nothing."""
+    one = Node(vllm_mod, "kv_both", 1)  # 2 KV heads
+    write_prompt(one)
+    assert len(store._data) == 4
+    alone = TP2Node(vllm_mod, "kv_both", 2, monkeypatch, zero=True, heads=1)
+    assert alone.sched.get_num_new_matched_tokens(FakeRequest("x", PROMPT), 0) == (0, False)
+
+    two = TP2Node(vllm_mod, "kv_both", 2, monkeypatch, zero=True, heads=1, peer_tp_sizes=[1])
+    _, blocks = next_turn_loads_the_tail(two)
+    for rank, w in enumerate(two.workers):
+        assert w.get_block_ids_with_load_errors() == set(), f"rank {rank}"
+        for li in range(LAYERS):
+            want = one.layers[li][:, rank : rank + 1]
+            assert same_150_tokens(two.layers[rank][li], blocks, want), (rank, li)
+            assert not two.layers[rank][li][: blocks[0]].any()  # no other block touched
+
+    store._data.clear()
+    writer = TP2Node(vllm_mod, "kv_both", 3, monkeypatch, heads=1)  # a head per rank
+    write_prompt(writer)
+    assert len(store._data) == 2 * 4
+    reader = Node(vllm_mod, "kv_both", 4, zero=True, peer_tp_sizes="2")
+    # A chunk is found only once every shard the reader joins is there.
+    rank1_chunk1 = writer.workers[1].worker._req_keys(PROMPT, None)[1]
+    held = store._data.pop(rank1_chunk1)
+    assert reader.sched.get_num_new_matched_tokens(FakeRequest("y", PROMPT), 0) == (64, False)
+    store._data[rank1_chunk1] = held
+    _, blocks = next_turn_loads_the_tail(reader)
+    assert reader.worker.get_block_ids_with_load_errors() == set()
+    for li in range(LAYERS):
+        joined = torch.cat([writer.layers[0][li], writer.layers[1][li]], dim=1)
+        assert same_150_tokens(reader.layers[li], blocks, joined), li
+
+
+def test_a_later_turn_loads_a_peer_pools_prefix_then_its_own_chunks(
+    vllm_mod: Any, store: MemoryChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TP=2 decode loads turn 2's prefix from a TP=1 prefill and saves, under its own
+    keys, the chunks it computed. Turn 3 finds both: the prefill's chunks, then the
+    decode's own (the lookup goes back and forth between the pools' keys)."""
+    one = Node(vllm_mod, "kv_both", 1)
+    write_prompt(one)  # PROMPT: 150 tokens
+    d = TP2Node(vllm_mod, "kv_both", 2, monkeypatch, zero=True, heads=1, peer_tp_sizes=[1])
+    turn2 = FakeRequest("d2", [*PROMPT, *range(600, 650)])  # 200 tokens
+    assert d.sched.get_num_new_matched_tokens(turn2, 0) == (150, False)
+    blocks = list(range(40, 53))
+    d.sched.update_state_after_alloc(turn2, FakeBlocks(blocks), 150)
+    d.step(sched_output([]))
+    meta = d.step(sched_output([(turn2, blocks, 150, 50)]))
+    assert [(s.index, s.num_tokens) for s in meta.saves] == [(2, 64), (3, 8)]
+    d.sched.request_finished(turn2, blocks)
+    turn3 = FakeRequest("d3", [*turn2.prompt_token_ids, *range(700, 780)])  # 280 tokens
+    assert d.sched.get_num_new_matched_tokens(turn3, 0) == (200, False)
+    tblocks = list(range(20, 38))
+    d.sched.update_state_after_alloc(turn3, FakeBlocks(tblocks), 200)
+    load = d.step(sched_output([])).loads[0]
+    assert [(c.index, c.num_tokens, c.shards) for c in load.chunks] == [
+        (0, 64, 1), (1, 64, 1), (2, 64, 0), (3, 8, 0)  # the prefill's (1 shard), its own
+    ]
+    for rank, w in enumerate(d.workers):
+        assert w.get_block_ids_with_load_errors() == set(), f"rank {rank}"
+        for li in range(LAYERS):
+            got, want = d.layers[rank][li], one.layers[li][:, rank : rank + 1]
+            assert torch.equal(got[tblocks[:8]], want[P_BLOCKS[:8]])
+            # Chunks 2 and 3: what the decode had of turn 2 (loaded or computed).
+            assert torch.equal(got[tblocks[8:12]], got[blocks[8:12]])
+            assert torch.equal(got[tblocks[12], :, :8], got[blocks[12], :, :8])
+
+
+def test_peer_tp_sizes_it_cannot_serve_are_refused_with_one_line(
+    vllm_mod: Any, store: MemoryChunkStore
+) -> None:
+    """Sizes that do not divide the KV heads, replicated heads and bad values stop the
+    connector at start-up; MLA's pools share keys at every size, so it needs none."""
+    with pytest.raises(ValueError, match="does not divide this model's 2 KV heads"):
+        make_connector(vllm_mod, "scheduler", "kv_both", peer_tp_sizes=[4])
+    with pytest.raises(ValueError, match="positive TP sizes"):
+        make_connector(vllm_mod, "scheduler", "kv_both", peer_tp_sizes="two")
+    with pytest.raises(ValueError, match="replicated"):  # 1 KV head at TP 2: a copy each
+        make_connector(vllm_mod, "scheduler", "kv_both", tp=2, heads=1, total_heads=1,
+                       peer_tp_sizes=[1])  # fmt: skip
+    mla = make_connector(vllm_mod, "scheduler", "kv_both", mla=True, peer_tp_sizes=[2])
+    assert mla.scheduler._read_shards == [1]  # one shard at any size: the same keys
 
 
 def test_kv_caches_it_cannot_cut_into_chunks_are_refused_with_one_line() -> None:
