@@ -398,7 +398,7 @@ class SchedulerSide(ConnectorBase):
             if found and f and self._read_shards[f] > 1:
                 # A rank here joins several of that pool's shards: every one must be there
                 # (one still being written by its rank is not loaded yet).
-                n_all = self._all_shards(w, f, pos, len(found))
+                n_all = self._all_shards(w, f, pos, len(found), fresh)
                 found, cost = found[:n_all], cost[:n_all]
             if found:
                 sources += found
@@ -411,13 +411,12 @@ class SchedulerSide(ConnectorBase):
             f = (f + 1) % len(w.kset)
         w.sources, w.costs, w.load_keys, w.src = sources, costs, keys, src
 
-    def _all_shards(self, w: _Wait, f: int, pos: int, n: int) -> int:
+    def _all_shards(self, w: _Wait, f: int, pos: int, n: int, fresh: bool) -> int:
         """How many of chunks [pos, pos + n), found under pool ``f``'s shard 0, every
         other shard of that pool holds too."""
         for s in range(1, self._read_shards[f]):
-            keys = [k for k, _ in (self._shard_keys(w, w.prompt, i, "", f)[s]
-                                   for i in range(pos, pos + n))]  # fmt: skip
-            n = min(n, len(self._lookup(keys)))
+            keys = [self._shard_keys(w, w.prompt, i, "", f)[s][0] for i in range(pos, pos + n)]
+            n = min(n, len(self._lookup_priced(keys, fresh)[0]))
         return n
 
     def _shard_keys(

@@ -206,7 +206,7 @@ class WorkerSide(ConnectorBase):
         shard (``connectors.vllm_tp``), their keys derived from the tokens."""
         own = self._fp.digest
         out: list[list[_Part]] = []
-        derived: dict[int, list[str]] = {}
+        derived: dict[tuple[int, int], list[str]] = {}  # (shards, shard) -> its keys
         for c, key in zip(job.chunks, keys, strict=True):
             if not c.shards:
                 out.append([_Part(key, own, kv.payload_shape(c.n_blocks), None, None)])
@@ -219,10 +219,10 @@ class WorkerSide(ConnectorBase):
                 if hp.shard:
                     if job.token_ids is None:
                         raise RuntimeError("a chunk of another TP size came without tokens")
-                    ks = derived.get(c.shards * 1000 + hp.shard)
+                    ks = derived.get((c.shards, hp.shard))
                     if ks is None:
                         ks = self._req_keys(job.token_ids, job.cache_salt, fp)
-                        derived[c.shards * 1000 + hp.shard] = ks
+                        derived[(c.shards, hp.shard)] = ks
                     k = self._rank_key(ks, job.token_ids, job.cache_salt, c.index,
                                        c.num_tokens, fp)[0]  # fmt: skip
                 shape = kv.payload_shape(c.n_blocks, total // c.shards)

@@ -1,10 +1,15 @@
-"""MLA hits across TP sizes under real vLLM CPU (issue 27).
+"""Hits across TP sizes under real vLLM CPU (issue 27): a cross-TP hit against a
+same-TP hit and against recomputing, in the same run.
 
-A TP 1 pool and a TP 2 pool share one cache; each reads chunks the other wrote (one copy: MLA keys name one shard)
-and chunks of its own size, against recomputing, in the same run.
+A TP 1 pool and a TP 2 pool share one cache; each reads chunks the other wrote and
+chunks of its own size. ``--model mla``: the project's random DeepSeek-V2
+(``make_tiny_model.py --preset mla``, bfloat16, 32-token blocks), whose keys name one KV
+shard at any TP, so both pools read the same copy. ``--model llama``: the demo's Llama
+(``--preset bench``, bfloat16, 12 layers, 4 KV heads, 12 KiB of KV a token), whose chunks
+are per KV shard; each pool lists the other in ``peer_tp_sizes``, so a TP 2 rank loads a
+head slice of a TP 1 chunk and a TP 1 reader joins the two ranks' chunks.
 
-Model: the project's random DeepSeek-V2 (``make_tiny_model.py --preset mla``, bfloat16),
-with a 2,000-token prompt per run so the prefill is worth saving. Servers: ``tp1`` on core
+A 2,000-token prompt per run, so the prefill is worth saving. Servers: ``tp1`` on core
 0 and ``tp2`` on cores 0 and 1 (2 cores here, so TP 2 shares core 0 with TP 1; nothing
 else runs while one measures), both ``kv_both`` over one embedded agent (DRAM). Every
 measured prompt is new: each case writes it on the writer (one token, as a prefill) then
@@ -16,7 +21,7 @@ second after a request the TP 2 engine's workers keep the cores busy (vLLM CPU's
 poll for work), and TP 1's core is one of them. Without the pause a read right after a
 TP 2 write measured 0.5-1.0 s whatever it read (its load itself: 2 ms).
 
-    python bench/e2e_mla_tp.py [--runs 5] [--json]
+    python bench/e2e_cross_tp.py [--model mla|llama] [--runs 5] [--json]
 """
 
 from __future__ import annotations
@@ -50,14 +55,22 @@ from tiered_cache.tools.vllm_launch import (
 
 PROMPT_LEN = 2000
 CHUNK = 256
+# --model: (make_tiny_model.py preset, directory under .models, extra vllm args). vLLM
+# CPU's MLA kernels take blocks in multiples of 32; the Llama keeps its default (128).
+MODELS: dict[str, tuple[str, str, list[str]]] = {
+    "mla": ("mla", "mla-bf16", ["--block-size", "32"]),
+    "llama": ("bench", "bench-bf16", []),
+}
 
 
 def say(msg: str) -> None:
-    print(f"[mla-tp] {msg}", file=sys.stderr, flush=True)
+    print(f"[cross-tp] {msg}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--model", choices=sorted(MODELS), default="mla",
+                    help="mla (one shared copy) or llama (per-shard chunks; default mla)")
     ap.add_argument("--runs", type=int, default=5, help="prompts per case (default 5)")
     ap.add_argument("--gap-s", type=float, default=2.0,
                     help="pause between a case's write and its timed read (default 2)")
@@ -67,21 +80,25 @@ def main() -> None:
         ap.error("--runs must be at least 1")
     if args.gap_s < 0:
         ap.error("--gap-s must not be negative")
-    work = Path(tempfile.mkdtemp(prefix="tc-mla-tp-"))
-    model = str(REPO / ".models" / "mla-bf16")
+    work = Path(tempfile.mkdtemp(prefix="tc-cross-tp-"))
+    preset, model_dir, blocks = MODELS[args.model]
+    model = str(REPO / ".models" / model_dir)
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", model,
-         "--preset", "mla", "--dtype", "bfloat16"],
+         "--preset", preset, "--dtype", "bfloat16"],
         check=True, env=server_env(), stdout=subprocess.DEVNULL,
     )  # fmt: skip
     store_cfg = {"store_dir": str(work / "store")}
     store = tc_client.open_store(store_cfg)  # hosts the agent both servers use
-    kv = kv_transfer_config("kv_both", store_cfg, policy="recompute", chunk_size=CHUNK)
 
     def srv(name: str, tp: int, cores: str) -> VllmServer:
+        # Each pool reads the other's chunks (MLA's are shared anyway: the setting is a
+        # no-op there).
+        kv = kv_transfer_config("kv_both", store_cfg, policy="recompute", chunk_size=CHUNK,
+                                peer_tp_sizes=[3 - tp])  # fmt: skip
         return VllmServer(
             name, model, free_port(), work / f"{name}.log", kv_config=kv, dtype="bfloat16",
-            extra_args=["--tensor-parallel-size", str(tp), "--block-size", "32"],
+            extra_args=["--tensor-parallel-size", str(tp), *blocks],
             env={"VLLM_CPU_OMP_THREADS_BIND": cores}, max_model_len=4096,
         )  # fmt: skip
 
@@ -90,8 +107,8 @@ def main() -> None:
     rng = random.Random(0)
     cases = [("tp1", "tp1"), ("tp2", "tp1"), (None, "tp1"),
              ("tp2", "tp2"), ("tp1", "tp2"), (None, "tp2")]  # fmt: skip
-    out: dict[str, Any] = {"prompt_tokens": PROMPT_LEN, "runs": args.runs, "gap_s": args.gap_s,
-                           "cases": {}}  # fmt: skip
+    out: dict[str, Any] = {"model": args.model, "prompt_tokens": PROMPT_LEN,
+                           "runs": args.runs, "gap_s": args.gap_s, "cases": {}}  # fmt: skip
     try:
         say("starting servers (TP 1 and TP 2)")
         start_servers(list(servers.values()))
