@@ -402,6 +402,9 @@ class PagedKV:
             return
         idx = self._index(block_ids)
         dsrc = src if self.on_host else src.to(self.device, non_blocking=True)
+        if self._stack is not None and not self.on_host and self.ratio == 1:
+            self._stack.narrow(2, lo, n).index_copy_(1, idx, dsrc)  # every layer at once
+            return
         for li in range(self.num_layers):
             s = dsrc[li]
             if self.ratio > 1:

@@ -81,6 +81,7 @@ class _Wait:
     kset: list[list[str]] = field(default_factory=list)
     salt: str | None = None
     prompt: Sequence[int] = ()
+    coming_pool: int = 0  # the pool whose keys the prefill's list names
     load_keys: list[str] = field(default_factory=list)
     src: list[int] = field(default_factory=list)
     shard_keys: dict[tuple[int, int], list[str]] = field(default_factory=dict)
@@ -255,10 +256,11 @@ class SchedulerSide(ConnectorBase):
         if w is None:
             salt = self._salt(request)
             kset = [self._req_keys(prompt, salt, fp)[: len(spans)] for fp in self._read_fps]
-            coming = 0 if rid in self._planned else max(self._coming(request, ks)
-                                                        for ks in kset)  # fmt: skip
+            comings = [0 if rid in self._planned else self._coming(request, ks) for ks in kset]
+            coming = max(comings)
             w = self._waits[rid] = _Wait(self._first_seen.setdefault(rid, now), kset[0],
-                                         coming, kset, salt, prompt)  # fmt: skip
+                                         coming, kset, salt, prompt,
+                                         comings.index(coming))  # fmt: skip
         if self._guard.down:
             self._cache_up()  # maybe probe, off this request's path
             self._count_once(rid, "unavailable")
@@ -321,7 +323,7 @@ class SchedulerSide(ConnectorBase):
         #    a busy DRAM) counts as arrived: local reads cost milliseconds.
         remote = [i for i in range(first, k) if sources[i] not in NODE_TIERS]
         if remote and self._prefetch_remote():
-            every = {i: self._shard_keys(w, prompt, i, keys[i], srcs[i]) for i in remote}
+            every = {i: self._shard_keys(w, i, keys[i], srcs[i]) for i in remote}
             ask = [kd for i in remote if i not in w.requested for kd in every[i]]
             if ask:
                 if w.fetch_t0 is None:
@@ -392,13 +394,15 @@ class SchedulerSide(ConnectorBase):
         f, stalled = 0, 0
         while len(sources) < n and stalled < len(w.kset):
             pos = len(sources)
-            found, cost = self._lookup_priced(w.kset[f][pos:], fresh)
+            # Fresh answers only for the chunks the prefill is writing (its pool's keys).
+            new = fresh and f == w.coming_pool
+            found, cost = self._lookup_priced(w.kset[f][pos:], new)
             if self._guard.down:
                 break
             if found and f and self._read_shards[f] > 1:
                 # A rank here joins several of that pool's shards: every one must be there
                 # (one still being written by its rank is not loaded yet).
-                n_all = self._all_shards(w, f, pos, len(found), fresh)
+                n_all = self._all_shards(w, f, pos, len(found), new)
                 found, cost = found[:n_all], cost[:n_all]
             if found:
                 sources += found
@@ -415,39 +419,59 @@ class SchedulerSide(ConnectorBase):
         """How many of chunks [pos, pos + n), found under pool ``f``'s shard 0, every
         other shard of that pool holds too."""
         for s in range(1, self._read_shards[f]):
-            keys = [self._shard_keys(w, w.prompt, i, "", f)[s][0] for i in range(pos, pos + n)]
-            n = min(n, len(self._lookup_priced(keys, fresh)[0]))
+            chain = self._chain(w, f, s)
+            n = min(n, len(self._lookup_priced(chain[pos : pos + n], fresh)[0]))
         return n
 
-    def _shard_keys(
-        self, w: _Wait, prompt: Sequence[int], i: int, key: str, f: int
-    ) -> list[tuple[str, bytes]]:
-        """Every writer shard's key of chunk ``i`` and the fingerprint it is verified
-        against (``key``: shard 0's, under read pool ``f``): what a prefetch copies into
-        DRAM, so that no rank reads a remote tier in the forward pass. An earlier
-        prompt's partial chunk (``f`` < 0: pool ``-1 - f``) is asked for by its own key
-        only."""
-        if f < 0:
-            return [(key, self._read_fps[_pool(f)].digest)]
-        shards = self._read_shards[f]
-        out = [(key, self._read_fps[f].digest)]
-        for s in range(1, shards):
-            fp = vllm_tp.shard_fingerprint(self._read_fps[f], s, shards)
-            ks = w.shard_keys.get((f, s))
-            if ks is None:
-                ks = w.shard_keys[(f, s)] = self._req_keys(prompt, w.salt, fp)
-            out.append((ks[i], fp.digest))
+    def _chain(self, w: _Wait, f: int, s: int) -> list[str]:
+        """Shard ``s``'s keys of ``w``'s prompt under read pool ``f`` (kept per request)."""
+        if s == 0:
+            return w.kset[f]
+        ks = w.shard_keys.get((f, s))
+        if ks is None:
+            fp = vllm_tp.shard_fingerprint(self._read_fps[f], s, self._read_shards[f])
+            ks = w.shard_keys[(f, s)] = self._req_keys(w.prompt, w.salt, fp)
+        return ks
+
+    def _partial_key(self, w: _Wait, f: int, s: int, i: int, n_tok: int) -> tuple[str, bytes]:
+        """Shard ``s``'s key (and fingerprint) of pool ``f``'s ``n_tok``-token partial
+        chunk at index ``i`` of ``w``'s prompt."""
+        fp = vllm_tp.shard_fingerprint(self._read_fps[f], s, self._read_shards[f])
+        parent = self._chain(w, f, s)[i - 1] if i else None
+        key = tc_keys.partial_keys(w.prompt, fp, w.salt, parent, i * self._chunk_size,
+                                   [n_tok])[0]  # fmt: skip
+        return key, fp.digest
+
+    def _shard_keys(self, w: _Wait, i: int, key: str, f: int) -> list[tuple[str, bytes]]:
+        """The keys of chunk ``i`` a prefetch copies into DRAM, each with the fingerprint
+        it is verified against (``key``: shard 0's, under read pool ``f``; negative: an
+        earlier prompt's partial chunk under pool ``-1 - f``). Of another pool's chunk,
+        every writer shard's, so that no rank joining them reads a remote tier in the
+        forward pass; of this pool's, as before, the one the scheduler knows (shard 0)."""
+        p = _pool(f)
+        out = [(key, self._read_fps[p].digest)]
+        if p == 0:
+            return out
+        for s in range(1, self._read_shards[p]):
+            if f < 0:
+                assert w.partial is not None
+                out.append(self._partial_key(w, p, s, i, w.partial[1]))
+            else:
+                fp = vllm_tp.shard_fingerprint(self._read_fps[p], s, self._read_shards[p])
+                out.append((self._chain(w, p, s)[i], fp.digest))
         return out
 
     def _prefetch(self, keys: Sequence[tuple[str, bytes]], wait: float = 0.0) -> None:
-        """Copy ``keys`` into DRAM: one call per fingerprint they are verified against."""
+        """Copy ``keys`` into DRAM: one call per fingerprint they are verified against,
+        only the last of them waiting (``wait``) for its copies to land."""
         by_fp: dict[bytes, list[str]] = {}
         for key, digest in keys:
             by_fp.setdefault(digest, []).append(key)
-        for digest, ks in by_fp.items():
+        for n, (digest, ks) in enumerate(by_fp.items(), 1):
 
-            def ask(st: SlotStore, d: bytes = digest, k: list[str] = ks) -> int:
-                return st.prefetch(k, d, wait)
+            def ask(st: SlotStore, d: bytes = digest, k: list[str] = ks,
+                    t: float = wait if n == len(by_fp) else 0.0) -> int:  # fmt: skip
+                return st.prefetch(k, d, t)
 
             self._guarded("prefetch", ask, 0)
 
@@ -508,11 +532,21 @@ class SchedulerSide(ConnectorBase):
         none: list[tuple[str, float, str] | None] = []
         for (n_tok, f, key), found in zip(cands, self._guarded("lookup", probe, none),
                                           strict=False):  # fmt: skip
-            if found is not None:
-                src, cost, load_key = found
-                whole = n_tok if load_key == key else self._chunk_size
-                w.partial_src = f
-                return span.index, n_tok, load_key, src, cost, whole
+            if found is None:
+                continue
+            src, cost, load_key = found
+            if f and self._read_shards[f] > 1:  # a join: every shard's partial is needed
+                others = [self._partial_key(w, f, s, span.index, n_tok)[0]
+                          for s in range(1, self._read_shards[f])]  # fmt: skip
+
+                def more(st: SlotStore, o: list[str] = others) -> list[Any]:
+                    return st.present(o, nbytes)
+
+                if any(o is None for o in self._guarded("lookup", more, [None])):
+                    continue
+            whole = n_tok if load_key == key else self._chunk_size
+            w.partial_src = f
+            return span.index, n_tok, load_key, src, cost, whole
         return None
 
     def _prefetch_remote(self) -> bool:
@@ -557,9 +591,14 @@ class SchedulerSide(ConnectorBase):
             self._reqs[rid] = st
             if elsewhere is not None:
                 # Chunks already in the cache, or saved by its prefill, need no second copy.
+                # The prefill's list names its pool's keys (another TP size's, maybe).
+                w = self._waits.get(rid)
                 by_prefill = 0
-                while by_prefill < len(st.keys) and st.keys[by_prefill] in elsewhere:
-                    by_prefill += 1
+                for ks in w.kset if w is not None else [st.keys]:
+                    n = 0
+                    while n < len(ks) and ks[n] in elsewhere:
+                        n += 1
+                    by_prefill = max(by_prefill, n)
                 st.next_save = max(by_prefill, self._found(rid, st.keys))
                 st.save = self._save_enabled or st.next_save < len(st.spans)
                 st.lag = not self._save_enabled

@@ -360,7 +360,10 @@ class WorkerSide(ConnectorBase):
             def sink(j: int, meta: ChunkMeta, payload: memoryview) -> None:
                 i, p = parts[group[j]]
                 c = chunks[i]
-                nbytes[i] = nbytes.get(i, 0) + payload.nbytes
+                used = payload.nbytes  # a head slice: only its share counts as loaded
+                if p.src is not None:
+                    used = used * (p.src[1] - p.src[0]) // p.shape[2]
+                nbytes[i] = nbytes.get(i, 0) + used
                 if reasons and min(reasons) < i:
                     reasons.setdefault(i, "an earlier chunk failed")
                     return

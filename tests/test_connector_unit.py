@@ -108,19 +108,22 @@ def test_scatter_rejects_bad_shape_and_ids() -> None:
         kv.scatter([8], torch.zeros(LAYERS, 1, H, BS, 2 * HS))
 
 
+@pytest.mark.parametrize("device_path", [False, True])  # True: the accelerator's copies
 @pytest.mark.parametrize("split", [1, 2])  # 2: views of half blocks (kernel blocks)
-def test_scatter_into_a_head_range_leaves_the_other_heads(split: int) -> None:
+def test_scatter_into_a_head_range_leaves_the_other_heads(split: int, device_path: bool) -> None:
     """A chunk another TP size wrote fills some of a block's KV heads: the others (from
     another chunk, or not loaded yet) are not touched."""
-    layers = [torch.zeros(16 * split, 4, BS // split, 2 * HS) for _ in range(LAYERS)]
+    backing = torch.zeros(16 * split, LAYERS, 4, BS // split, 2 * HS)
+    layers = [backing[:, i] for i in range(LAYERS)]  # one buffer: the stacked path
     kv = PagedKV(layers, block_size=BS)
+    kv.on_host = not device_path  # the device branches, run on CPU tensors
     src = torch.randn(LAYERS, 3, 2, BS, 2 * HS)  # heads 1 and 2 of blocks 4, 5 and 9
     kv.scatter([4, 5, 9], src, heads=(1, 3))
     out = torch.empty(kv.payload_shape(3))
     kv.gather([4, 5, 9], out)
     assert torch.equal(out[:, :, 1:3], src)
     assert not out[:, :, 0].any() and not out[:, :, 3].any()
-    assert sum(int(t.count_nonzero()) for t in layers) == src.numel()  # nothing else
+    assert int(backing.count_nonzero()) == src.numel()  # nothing else was written
     with pytest.raises(ValueError, match="shape"):
         kv.scatter([4], src[:, :1], heads=(0, 1))
     with pytest.raises(ValueError, match="outside"):
@@ -1236,11 +1239,80 @@ def test_a_pool_at_another_tp_size_loads_the_heads_it_holds(
     held = store._data.pop(rank1_chunk1)
     assert reader.sched.get_num_new_matched_tokens(FakeRequest("y", PROMPT), 0) == (64, False)
     store._data[rank1_chunk1] = held
+    # So is an earlier prompt's partial chunk (the tail the next turn shares).
+    rank1_tail = writer.workers[1].worker._req_keys(PROMPT, None)[2]
+    held = store._data.pop(rank1_tail)
+    longer = FakeRequest("z", [*PROMPT, *range(600, 640)])
+    # Both ranks saved the tail's whole block too: 16 of its 22 tokens load.
+    assert reader.sched.get_num_new_matched_tokens(longer, 0) == (144, False)
+    store._data[rank1_tail] = held
     _, blocks = next_turn_loads_the_tail(reader)
     assert reader.worker.get_block_ids_with_load_errors() == set()
     for li in range(LAYERS):
         joined = torch.cat([writer.layers[0][li], writer.layers[1][li]], dim=1)
         assert same_150_tokens(reader.layers[li], blocks, joined), li
+
+
+class S3BackedStore(MemoryChunkStore):
+    """A store whose chunks sit in S3 until a prefetch copies them into its DRAM (what
+    the agent does), recording each prefetch call: (keys, fingerprint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiers = ["dram", "s3"]
+        self.in_s3: set[str] = set()
+        self.asked: list[tuple[list[str], bytes | None]] = []
+
+    def lookup_priced(
+        self, keys: Any, nbytes: int = 0, fresh: bool = False
+    ) -> tuple[list[str], list[float]]:
+        found = self.lookup(keys)
+        return ["s3" if k in self.in_s3 else "dram" for k in keys[: len(found)]], [0.0] * len(found)
+
+    def prefetch(self, keys: Any, fingerprint: bytes | None = None, wait_s: float = 0.0) -> int:
+        self.asked.append((list(keys), fingerprint))
+        self.in_s3 -= set(keys)
+        return len(keys)
+
+    def in_dram(self, keys: Any) -> list[bool]:
+        return [k in self._data and k not in self.in_s3 for k in keys]
+
+
+def test_a_join_from_s3_copies_every_shard_into_dram_first(
+    vllm_mod: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of a TP=2 pool in S3, read by a TP=1 pool: the prefetch asks for both
+    shards' chunks, each under its own fingerprint, so neither is read from S3 inside
+    the forward pass. This pool's own TP=2 chunks are asked for as before (shard 0's:
+    the scheduler's keys)."""
+    import tiered_cache.client as client
+
+    st = S3BackedStore()
+    monkeypatch.setattr(client, "open_store", lambda extra: st)
+    writer = TP2Node(vllm_mod, "kv_both", 3, monkeypatch, heads=1)
+    write_prompt(writer)
+    st.in_s3 = set(st._data)
+    reader = Node(vllm_mod, "kv_both", 4, zero=True, peer_tp_sizes=[2])
+    req = FakeRequest("r", PROMPT)
+    assert reader.sched.get_num_new_matched_tokens(req, 0) == (149, False)
+    ranks = [w.worker for w in writer.workers]
+    assert [(sorted(k), d) for k, d in st.asked] == [
+        (sorted(r._req_keys(PROMPT, None)[:3]), r._fp.digest) for r in ranks
+    ]
+    reader.sched.update_state_after_alloc(req, FakeBlocks(D_BLOCKS), 149)
+    reader.step(sched_output([]))
+    assert reader.worker.get_block_ids_with_load_errors() == set()
+    for li in range(LAYERS):
+        joined = torch.cat([writer.layers[0][li], writer.layers[1][li]], dim=1)
+        assert torch.equal(reader.layers[li][D_BLOCKS[:9]], joined[P_BLOCKS[:9]]), li
+
+    st.asked.clear()
+    st.in_s3 = set(st._data)
+    same = TP2Node(vllm_mod, "kv_both", 5, monkeypatch, heads=1)
+    assert same.sched.get_num_new_matched_tokens(FakeRequest("s", PROMPT), 0) == (149, False)
+    assert [(sorted(k), d) for k, d in st.asked] == [
+        (sorted(ranks[0]._req_keys(PROMPT, None)[:3]), ranks[0]._fp.digest)
+    ]
 
 
 def test_a_later_turn_loads_a_peer_pools_prefix_then_its_own_chunks(
@@ -1257,6 +1329,11 @@ def test_a_later_turn_loads_a_peer_pools_prefix_then_its_own_chunks(
     blocks = list(range(40, 53))
     d.sched.update_state_after_alloc(turn2, FakeBlocks(blocks), 150)
     d.step(sched_output([]))
+    g = torch.Generator().manual_seed(7)
+    for layers in d.layers:  # what the decode computes of turn 2: tokens 150-199
+        for t in layers:
+            t[blocks[9], :, 6:] = torch.randn(t[blocks[9], :, 6:].shape, generator=g)
+            t[blocks[10:]] = torch.randn(t[blocks[10:]].shape, generator=g)
     meta = d.step(sched_output([(turn2, blocks, 150, 50)]))
     assert [(s.index, s.num_tokens) for s in meta.saves] == [(2, 64), (3, 8)]
     d.sched.request_finished(turn2, blocks)
