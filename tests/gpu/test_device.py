@@ -64,3 +64,29 @@ def test_a_load_copies_only_after_queued_compute(device: torch.device) -> None:
     cp.load_chunk([3], src)
     cp.load_end()
     assert torch.equal(layers[0][3].cpu(), src[0][0])
+
+
+def test_a_head_slice_of_another_tp_sizes_chunk_loads_into_its_heads(
+    device: torch.device,
+) -> None:
+    """A TP 2 rank's share of a TP 1 chunk: a strided head slice of a (page-locked, on
+    CUDA) payload goes through staging into heads [0, 1) of the blocks, both layers at
+    once where they share one buffer; the other head keeps what it held."""
+    from connectors.kv_copy import KVCopier
+    from connectors.vllm_kvio import PagedKV
+
+    backing = torch.zeros(8, 2, 2, 16, 64, device=device)  # [B, L, H, N, C]
+    layers = [backing[:, i] for i in range(2)]
+    kv = PagedKV(layers, ["a", "b"], block_size=16)
+    cp = KVCopier(kv, device_for(layers[0]))
+    backing[:, :, 1] = 5.0
+    whole = torch.randn(2, 2, 4, 16, 64, pin_memory=device.type == "cuda")  # 4 heads
+    src = whole[:, :, 2:3]  # the heads rank 2 of 4 holds, from a 1-shard chunk
+    cp.load_begin()
+    cp.load_chunk([3, 6], src, heads=(0, 1))
+    cp.load_end()
+    got = backing.cpu()
+    for li in range(2):
+        assert torch.equal(got[[3, 6], li, 0:1], src[li])
+    assert torch.all(got[:, :, 1] == 5.0)
+    assert not got[[0, 1, 2, 4, 5, 7], :, 0].any()
