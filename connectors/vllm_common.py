@@ -98,6 +98,14 @@ def _single_group_spec(kv_cache_config: KVCacheConfig) -> Any:
             f"this model's is {kinds[0]}: sliding-window, chunked-local and Mamba "
             f"caches are not supported yet"
         )
+    if getattr(groups[0].kv_cache_spec, "non_causal", False):
+        # A prefix LM's prefix KV depends on the tokens after it: a prefix's chunk would
+        # be another prompt's KV (vLLM turns its own prefix cache off for the same reason).
+        raise ValueError(
+            "TieredCacheConnector supports causal attention only; this model has "
+            "non-causal (prefix LM) attention layers, whose KV of a prefix depends on the "
+            "tokens after it, so no prefix chunk can be reused"
+        )
     return groups[0]
 
 

@@ -1372,8 +1372,9 @@ def test_peer_tp_sizes_it_cannot_serve_are_refused_with_one_line(
 
 
 def test_kv_caches_it_cannot_cut_into_chunks_are_refused_with_one_line() -> None:
-    """A sliding window's or a Mamba state's cache, or several groups (hybrid models),
-    stop the connector at start-up naming what the model has; MLA is full attention."""
+    """A sliding window's or a Mamba state's cache, several groups (hybrid models) or
+    non-causal (prefix LM) layers stop the connector at start-up naming what the model
+    has; MLA is full attention."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -1401,6 +1402,8 @@ def test_kv_caches_it_cannot_cut_into_chunks_are_refused_with_one_line() -> None
     for spec in (swa, mamba):
         with pytest.raises(ValueError, match=f"this model's is {type(spec).__name__}"):
             _single_group_spec(cfg(spec))
+    with pytest.raises(ValueError, match=r"non-causal \(prefix LM\)"):
+        _single_group_spec(cfg(FullAttentionSpec(**kw, non_causal=True)))
 
 
 def test_kv_shards_follow_vllms_replicas() -> None:
