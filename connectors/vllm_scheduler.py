@@ -76,8 +76,8 @@ class _Wait:
     keys: list[str]  # its loadable chunks' keys
     coming: int  # leading chunks the prefill said it saved
     # The same chunks' keys under each pool's shard 0 this one reads (``_read_fps``:
-    # its own first, then ``peer_tp_sizes``'), and the key and pool each found chunk
-    # was found under.
+    # its own first, then ``peer_tp_sizes``'); ``load_keys`` and ``src``: the key and
+    # pool each found chunk was found under.
     kset: list[list[str]] = field(default_factory=list)
     salt: str | None = None
     prompt: Sequence[int] = ()
