@@ -518,6 +518,20 @@ class ConnectorBase:
     ) -> list[str]:
         return tc_keys.chunk_keys(prompt, fp or self._fp, salt, include_partial=True)
 
+    def _rank_key(self, ks: Sequence[str], tokens: Sequence[int], salt: str | None,
+                  index: int, num_tokens: int,
+                  fp: tc_keys.ModelFingerprint | None = None) -> tuple[str, str | None]:
+        """This rank's key (or, with ``fp``, that shard's) and parent key of the chunk at
+        ``index`` of ``num_tokens`` tokens (``ks``: its keys of the prompt): a whole chunk,
+        or a partial one (the prompt's tail, or the block-aligned copy of an earlier,
+        shorter prompt's)."""
+        parent = ks[index - 1] if index else None
+        if num_tokens < self._chunk_size:
+            start = index * self._chunk_size
+            return tc_keys.partial_keys(tokens, fp or self._fp, salt, parent, start,
+                                        [num_tokens])[0], parent  # fmt: skip
+        return ks[index], parent
+
     @staticmethod
     def _salt(request: Request) -> str | None:
         salt = getattr(request, "cache_salt", None)

@@ -73,7 +73,6 @@ class _Wait:
     """A request the connector may answer "ask again" for (scheduler side)."""
 
     t0: float  # when the request arrived
-    keys: list[str]  # its loadable chunks' keys
     coming: int  # leading chunks the prefill said it saved
     # The same chunks' keys under each pool's shard 0 this one reads (``_read_fps``:
     # its own first, then ``peer_tp_sizes``'); ``load_keys`` and ``src``: the key and
@@ -96,6 +95,11 @@ class _Wait:
     requested: set[int] = field(default_factory=set)  # chunks asked to be prefetched
     probed: bool = False  # looked for an earlier prompt's partial chunk
     partial_src: int = 0  # the read pool (``kset``) it was looked for under
+
+    @property
+    def keys(self) -> list[str]:
+        """Its loadable chunks' keys (this pool's)."""
+        return self.kset[0]
     # That chunk, when found: (index, tokens, key, source, expected load seconds, tokens
     # the stored chunk holds: more than ``tokens`` for a whole chunk's first blocks).
     partial: tuple[int, int, str, str, float, int] | None = None
@@ -258,9 +262,8 @@ class SchedulerSide(ConnectorBase):
             kset = [self._req_keys(prompt, salt, fp)[: len(spans)] for fp in self._read_fps]
             comings = [0 if rid in self._planned else self._coming(request, ks) for ks in kset]
             coming = max(comings)
-            w = self._waits[rid] = _Wait(self._first_seen.setdefault(rid, now), kset[0],
-                                         coming, kset, salt, prompt,
-                                         comings.index(coming))  # fmt: skip
+            w = self._waits[rid] = _Wait(self._first_seen.setdefault(rid, now), coming, kset,
+                                         salt, prompt, comings.index(coming))  # fmt: skip
         if self._guard.down:
             self._cache_up()  # maybe probe, off this request's path
             self._count_once(rid, "unavailable")
@@ -382,10 +385,6 @@ class SchedulerSide(ConnectorBase):
         under each other pool's (``peer_tp_sizes``), taking turns until none goes
         further (a decode's later turn: the prefill's chunks, then its own). One lookup
         without peers."""
-        if len(w.kset) == 1:
-            w.sources, w.costs = self._lookup_priced(w.keys, fresh)
-            w.load_keys, w.src = w.keys[: len(w.sources)], [0] * len(w.sources)
-            return
         n = len(w.keys)
         sources: list[str] = []
         costs: list[float] = []
@@ -437,10 +436,7 @@ class SchedulerSide(ConnectorBase):
         """Shard ``s``'s key (and fingerprint) of pool ``f``'s ``n_tok``-token partial
         chunk at index ``i`` of ``w``'s prompt."""
         fp = vllm_tp.shard_fingerprint(self._read_fps[f], s, self._read_shards[f])
-        parent = self._chain(w, f, s)[i - 1] if i else None
-        key = tc_keys.partial_keys(w.prompt, fp, w.salt, parent, i * self._chunk_size,
-                                   [n_tok])[0]  # fmt: skip
-        return key, fp.digest
+        return self._rank_key(self._chain(w, f, s), w.prompt, w.salt, i, n_tok, fp)[0], fp.digest
 
     def _shard_keys(self, w: _Wait, i: int, key: str, f: int) -> list[tuple[str, bytes]]:
         """The keys of chunk ``i`` a prefetch copies into DRAM, each with the fingerprint

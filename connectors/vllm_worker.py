@@ -36,7 +36,6 @@ from connectors.vllm_metadata import (
     TieredCacheWorkerMeta,
 )
 from connectors.vllm_metrics import farthest
-from tiered_cache import keys as tc_keys
 from tiered_cache.api import SlotReservation, SlotStore
 from tiered_cache.codec import ChunkMeta
 
@@ -185,20 +184,6 @@ class WorkerSide(ConnectorBase):
             return [c.key for c in chunks]
         ks = self._req_keys(tokens, salt)
         return [self._rank_key(ks, tokens, salt, c.index, c.num_tokens)[0] for c in chunks]
-
-    def _rank_key(self, ks: Sequence[str], tokens: Sequence[int], salt: str | None,
-                  index: int, num_tokens: int,
-                  fp: tc_keys.ModelFingerprint | None = None) -> tuple[str, str | None]:
-        """This rank's key (or, with ``fp``, that shard's) and parent key of the chunk at
-        ``index`` of ``num_tokens`` tokens (``ks``: its keys of the prompt): a whole chunk,
-        or a partial one (the prompt's tail, or the block-aligned copy of an earlier,
-        shorter prompt's)."""
-        parent = ks[index - 1] if index else None
-        if num_tokens < self._chunk_size:
-            start = index * self._chunk_size
-            return tc_keys.partial_keys(tokens, fp or self._fp, salt, parent, start,
-                                        [num_tokens])[0], parent  # fmt: skip
-        return ks[index], parent
 
     def _parts(self, job: LoadJob, keys: Sequence[str], kv: PagedKV) -> list[list[_Part]]:
         """What this rank fetches for each chunk of ``job``: its own shard's chunk, or

@@ -12,7 +12,7 @@ per core) and ``tp1`` (TP=1), both ``kv_both`` over one store.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,23 +46,25 @@ class Rig:
     store: SharedStore
 
 
-@pytest.fixture(scope="module")
-def rig(mla_model: str, shared_store: SharedStore, log_dir: Path) -> Iterator[Rig]:
-    kv = kv_transfer_config("kv_both", shared_store.config, policy="recompute",
-                            chunk_size=CHUNK)  # fmt: skip
+def tp_rig(
+    model: str, store: SharedStore, log_dir: Path, kv: Callable[[int], dict[str, Any]],
+    dtype: str = "float32", extra_args: Sequence[str] = (),
+) -> Iterator[Rig]:
+    """``mono`` (TP=1, no connector), ``tp2`` (TP=2, a worker per core) and ``tp1``
+    (TP=1), the latter two with connector config ``kv(tp)``; stopped after the yield."""
 
-    def srv(name: str, tp: int, cores: str, kv: dict[str, Any] | None) -> VllmServer:
+    def srv(name: str, tp: int, cores: str, cfg: dict[str, Any] | None) -> VllmServer:
         return VllmServer(
-            name, mla_model, free_port(), log_dir / f"{name}.log", kv_config=kv,
-            dtype="bfloat16", extra_args=["--tensor-parallel-size", str(tp), "--block-size", "32"],
+            name, model, free_port(), log_dir / f"{name}.log", kv_config=cfg, dtype=dtype,
+            extra_args=["--tensor-parallel-size", str(tp), *extra_args],
             env={"VLLM_CPU_OMP_THREADS_BIND": cores},
         )  # fmt: skip
 
     r = Rig(
         mono=srv("mono", 1, pinned_core(0), None),
-        tp2=srv("tp2", 2, f"{pinned_core(0)}|{pinned_core(1)}", kv),
-        tp1=srv("tp1", 1, pinned_core(1), kv),
-        store=shared_store,
+        tp2=srv("tp2", 2, f"{pinned_core(0)}|{pinned_core(1)}", kv(2)),
+        tp1=srv("tp1", 1, pinned_core(1), kv(1)),
+        store=store,
     )
     servers = [r.mono, r.tp2, r.tp1]
     start_servers(servers)
@@ -73,26 +75,41 @@ def rig(mla_model: str, shared_store: SharedStore, log_dir: Path) -> Iterator[Ri
             s.stop()
 
 
+@pytest.fixture(scope="module")
+def rig(mla_model: str, shared_store: SharedStore, log_dir: Path) -> Iterator[Rig]:
+    kv = kv_transfer_config("kv_both", shared_store.config, policy="recompute",
+                            chunk_size=CHUNK)  # fmt: skip
+    yield from tp_rig(mla_model, shared_store, log_dir, lambda tp: kv, "bfloat16",
+                      ["--block-size", "32"])  # fmt: skip
+
+
 def chunks_held(r: Rig) -> int:
     usage = r.store.client.admin("stats")["usage"]
     return int(usage["dram"]["chunks"])
 
 
-def handoff(r: Rig, writer: VllmServer, reader: VllmServer, seed: int) -> int:
+def handoff(
+    r: Rig, writer: VllmServer, reader: VllmServer, seed: int, via_router: bool = False
+) -> int:
     """The prompt through ``writer`` (one token, as a prefill), then on ``reader``: the
     reader loads all but its last token and generates what the reference does. Returns
-    how many chunks the store gained."""
+    how many chunks the store gained. ``via_router``: the reader gets the writer's
+    ``kv_transfer_params`` as a router passes them on, and waits for every chunk they
+    name; else the writer's chunks are waited for here first."""
     prompt = make_prompt(seed, PROMPT_LEN)
     ref = parse(r.mono.completion(prompt, max_tokens=GEN_TOKENS))
     before = chunks_held(r)
     g = parse(writer.completion(prompt, max_tokens=1))
-    keys = list(((g.body.get("kv_transfer_params") or {}).get("tiered_cache") or {})["keys"])
-    assert len(keys) == 3, g.body.get("kv_transfer_params")
-    deadline = time.monotonic() + 10  # saves commit just after the forward pass
-    while r.store.present(keys) < len(keys) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert r.store.present(keys) == len(keys)
-    got = parse(reader.completion(prompt, max_tokens=GEN_TOKENS))
+    params = g.body.get("kv_transfer_params") or {}
+    keys = list((params.get("tiered_cache") or {})["keys"])
+    assert len(keys) == 3, params
+    extra = {"kv_transfer_params": params} if via_router else None
+    if not via_router:
+        deadline = time.monotonic() + 10  # saves commit just after the forward pass
+        while r.store.present(keys) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert r.store.present(keys) == len(keys)
+    got = parse(reader.completion(prompt, max_tokens=GEN_TOKENS, extra=extra))
     assert got.cached_tokens == PROMPT_LEN - 1  # all but the last token, from the cache
     assert_close(ref, got)
     # Counted after the reader's request (many engine steps after the writer's commits):
