@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from connectors.kv_device import KVDevice
-from connectors.vllm_kvio import HostStaging, PagedKV
+from connectors.vllm_kvio import BlockIds, HostStaging, PagedKV
 
 
 @dataclass
@@ -85,21 +85,21 @@ class KVCopier:
 
     # ------------------------------------------------------------------------ saves
 
-    def begin_save(self, block_ids: Sequence[Sequence[int]], dests: list[torch.Tensor]) -> SaveCopy:
+    def begin_save(self, block_ids: Sequence[BlockIds], dests: list[torch.Tensor]) -> SaveCopy:
         # On the copy stream: the block index's upload (and the staging buffer) is then
         # ordered before the layer copies that use it, whichever thread or stream calls.
         with self.dev.on_copy_stream():
             return self._begin_save(block_ids, dests)
 
-    def _begin_save(self, block_ids: Sequence[Sequence[int]], dests: list[torch.Tensor]) -> SaveCopy:
-        if self.kv.on_host:  # index_select straight into each slot: no staging copy
-            return SaveCopy(dests, [self.kv.index(b) for b in block_ids])
-        flat = [b for ids in block_ids for b in ids]
+    def _begin_save(self, block_ids: Sequence[BlockIds], dests: list[torch.Tensor]) -> SaveCopy:
+        kv = self.kv
+        if kv.on_host:  # index_select straight into each slot: no staging copy
+            return SaveCopy(dests, [kv.index(b) for b in block_ids])
+        flat = kv.concat(block_ids)
         parts, a = [], 0
         for ids in block_ids:
-            parts.append((a, a + len(ids)))
-            a += len(ids)
-        kv = self.kv
+            parts.append((a, a + kv.count(ids)))
+            a += kv.count(ids)
         staged = None
         piece = kv.block_bytes * (a // max(1, len(block_ids)))  # a layer of a mean chunk
         if piece < PER_LAYER_COPY_MIN_BYTES and kv.payload_nbytes(a) <= MAX_DEVICE_STAGING_BYTES:
@@ -180,7 +180,7 @@ class KVCopier:
             self.dev.sync_copies()
             sc.staged = None
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def gather(self, block_ids: BlockIds, out: torch.Tensor) -> None:
         """Every layer of ``block_ids`` into ``out`` (host), after all queued compute."""
         self.dev.copy_wait_compute("save")  # from the compute stream, not inside the lane
         with self.dev.on_copy_stream("save"):
@@ -207,7 +207,7 @@ class KVCopier:
 
     def load_chunk(
         self,
-        block_ids: Sequence[int],
+        block_ids: BlockIds,
         src: torch.Tensor,
         *,
         src_pinned: bool = False,

@@ -98,7 +98,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from connectors.vllm_common import ConnectorArgs, _as_bool
@@ -125,8 +127,13 @@ if TYPE_CHECKING:
 __all__ = ["TieredCacheConnector"]
 
 
-class TieredCacheConnector(KVConnectorBase_V1):
-    """Cache-mediated KV handoff through ``tiered_cache`` (see the module docstring)."""
+class TieredCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """Cache-mediated KV handoff through ``tiered_cache`` (see the module docstring).
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on for models with several
+    KV cache groups (sliding-window and full-attention layers), so a decode holds only a
+    sliding window's blocks; the connector stores every layer of a chunk and loads each
+    group into its own blocks (``connectors.vllm_kvio.GroupedPagedKV``)."""
 
     def __init__(
         self,
@@ -185,6 +192,11 @@ class TieredCacheConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._s.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s.request_finished(request, block_ids[0] if block_ids else [])
+
     # ------------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -225,6 +237,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
         return self._w.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._w.get_transfer_results(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w.get_block_ids_with_load_errors()

@@ -75,38 +75,108 @@ def _as_bool(v: Any) -> bool:
     return bool(v)
 
 
-def _single_group_spec(kv_cache_config: KVCacheConfig) -> Any:
-    """The model's one KV cache group, of full attention (MLA included). Anything else is
-    refused at start-up with one line: a sliding window's blocks outside the window are
-    freed and reused by vLLM, and a Mamba state is one per request, not one per block,
-    so neither can be cut into prefix chunks as they are now."""
+@dataclass(frozen=True)
+class KVGroups:
+    """The model's KV cache groups as the connector sees them. One chunk holds every
+    layer of every group, in model order, so a hit is a hit for all groups at once; each
+    group has its own block ids (vLLM's hybrid allocator), and a sliding-window group's
+    blocks before its window are vLLM's null block.
+
+    ``spec``: the KV cache spec whose layout every layer shares (block size, heads, dtype;
+    a full-attention group's where there is one);
+    ``layer_names``: every layer, in model order (the payload's layer order);
+    ``layer_group``: each layer's group; ``windows``: each group's sliding window in
+    tokens (None: full attention)."""
+
+    spec: Any
+    layer_names: tuple[str, ...]
+    layer_group: tuple[int, ...]
+    windows: tuple[int | None, ...]
+
+    @property
+    def several(self) -> bool:
+        return len(self.windows) > 1
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+    def first_live_block(self, computed: int, block_size: int) -> int:
+        """The first block every group still holds once ``computed`` tokens are computed
+        (vLLM's ``SlidingWindowManager.get_num_skipped_tokens``): earlier blocks of a
+        sliding-window group are freed, so a chunk before it can no longer be saved."""
+        skipped = max((max(0, computed - w + 1) for w in self.windows if w is not None),
+                      default=0)  # fmt: skip
+        return skipped // block_size
+
+
+def _layer_order(name: str, fallback: int) -> tuple[int, int]:
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return extract_layer_index(name), fallback
+    except Exception:
+        return fallback, fallback
+
+
+def kv_groups(kv_cache_config: KVCacheConfig) -> KVGroups:
+    """The model's KV cache groups, validated: full attention (MLA included) and sliding
+    window, each layer with the same block layout. Anything else is refused at start-up
+    with one line: a Mamba state is one per request, not one per block, and a chunked-
+    local layer's KV is reset at each attention chunk, so neither can be cut into prefix
+    chunks; non-causal layers' prefix KV depends on later tokens."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = [type(getattr(g, "kv_cache_spec", None)).__name__ for g in groups]
-    if len(groups) != 1:
-        raise ValueError(
-            f"TieredCacheConnector supports models with exactly one KV cache group, of "
-            f"full attention; this model has {len(groups)} ({', '.join(kinds)}): "
-            f"hybrid, sliding-window and Mamba models are not supported yet"
-        )
+    if not groups:
+        raise ValueError("TieredCacheConnector: the model has no KV cache (attention-free)")
     try:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
     except ImportError:  # pragma: no cover - vLLM is installed wherever this runs
-        return groups[0]
-    if not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        raise ValueError(
-            f"TieredCacheConnector supports full-attention KV caches (MLA included); "
-            f"this model's is {kinds[0]}: sliding-window, chunked-local and Mamba "
-            f"caches are not supported yet"
-        )
-    if getattr(groups[0].kv_cache_spec, "non_causal", False):
-        # A prefix LM's prefix KV depends on the tokens after it: a prefix's chunk would
-        # be another prompt's KV (vLLM turns its own prefix cache off for the same reason).
-        raise ValueError(
-            "TieredCacheConnector supports causal attention only; this model has "
-            "non-causal (prefix LM) attention layers, whose KV of a prefix depends on the "
-            "tokens after it, so no prefix chunk can be reused"
-        )
-    return groups[0]
+        names = tuple(groups[0].layer_names)
+        return KVGroups(groups[0].kv_cache_spec, names, (0,) * len(names), (None,))
+    windows: list[int | None] = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows.append(int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens",
+                                                                  0) or 0))  # fmt: skip
+        elif isinstance(spec, FullAttentionSpec):
+            windows.append(None)
+        else:
+            raise ValueError(
+                f"TieredCacheConnector supports full-attention and sliding-window KV caches "
+                f"(MLA included); this model's groups are {', '.join(kinds)}: Mamba, "
+                f"linear-attention and chunked-local caches cannot be cut into prefix chunks"
+            )
+        if getattr(spec, "non_causal", False):
+            # A prefix LM's prefix KV depends on the tokens after it: a prefix's chunk would
+            # be another prompt's KV (vLLM turns its own prefix cache off for the same reason).
+            raise ValueError(
+                "TieredCacheConnector supports causal attention only; this model has "
+                "non-causal (prefix LM) attention layers, whose KV of a prefix depends on the "
+                "tokens after it, so no prefix chunk can be reused"
+            )
+    # The layout every layer shares: a full-attention group's where there is one.
+    rep = next((g for g, w in zip(groups, windows, strict=True) if w is None), groups[0])
+    shape = _block_layout(rep.kv_cache_spec)
+    for g, kind in zip(groups, kinds, strict=True):
+        if _block_layout(g.kv_cache_spec) != shape:
+            raise ValueError(
+                f"TieredCacheConnector needs one block layout across KV cache groups; this "
+                f"model's {kind} group has {_block_layout(g.kv_cache_spec)}, another "
+                f"{shape} (block size, KV heads, head size, dtype)"
+            )
+    listed = [(n, gi) for gi, g in enumerate(groups) for n in g.layer_names]
+    order = [t for _, t in sorted(((_layer_order(t[0], i), t) for i, t in enumerate(listed)),
+                                  key=lambda x: x[0])]  # fmt: skip
+    return KVGroups(
+        rep.kv_cache_spec, tuple(n for n, _ in order), tuple(gi for _, gi in order), tuple(windows)
+    )
+
+
+def _block_layout(spec: Any) -> tuple[Any, ...]:
+    return tuple(getattr(spec, f, None) for f in ("block_size", "num_kv_heads", "head_size",
+                                                 "dtype"))  # fmt: skip
 
 
 # Files whose change means other weights (or another architecture) at the same path.
@@ -205,8 +275,7 @@ def build_identity(
 
     Both roles build it from the same inputs, so the scheduler's keys equal rank 0's.
     """
-    group = _single_group_spec(kv_cache_config)
-    spec = group.kv_cache_spec
+    spec = kv_groups(kv_cache_config).spec
     block_size = int(spec.block_size)
     chunk_size = int(extra.get("chunk_size", tc_keys.DEFAULT_CHUNK_SIZE))
     if chunk_size <= 0 or chunk_size % block_size:
@@ -261,7 +330,9 @@ def build_identity(
     replicas = tp_size // shards
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or mc.model)
-    kind = type(spec).__name__
+    # A sliding window's blocks hold the same bytes as full attention's (vLLM turns them
+    # into full attention where its hybrid allocator is off): one name, chunks in common.
+    kind = "FullAttentionSpec" if type(spec).__name__ == "SlidingWindowSpec" else type(spec).__name__
     # New weights at the same path must not meet the old weights' KV: the revisions, the
     # checkpoint files' identity, the overrides and the operator's epoch are all keyed.
     revision = getattr(mc, "revision", None)
@@ -296,9 +367,9 @@ def _chunk_bytes(kv_cache_config: KVCacheConfig | None, extra: Mapping[str, Any]
     """Bytes of one full chunk on this rank (all layers), from vLLM's KV cache spec: what
     the agent prices a chunk of unknown size at. 0 when the spec does not say."""
     try:
-        group = _single_group_spec(kv_cache_config)  # type: ignore[arg-type]
-        spec = group.kv_cache_spec
-        per_block = int(spec.page_size_bytes) * len(group.layer_names)
+        groups = kv_groups(kv_cache_config)  # type: ignore[arg-type]
+        spec = groups.spec
+        per_block = int(spec.page_size_bytes) * len(groups.layer_names)
         chunk = int(extra.get("chunk_size", tc_keys.DEFAULT_CHUNK_SIZE))
         return per_block * (chunk // int(spec.block_size))
     except Exception:
@@ -396,7 +467,8 @@ class ConnectorBase:
         self._tp_rank = tp_rank
         # Writer shard counts of the pools at other TP sizes whose chunks this one reads
         # (``peer_tp_sizes``; connectors.vllm_tp): none by default.
-        spec = _single_group_spec(kv_cache_config).kv_cache_spec
+        self._groups = kv_groups(kv_cache_config)
+        spec = self._groups.spec
         self._peer_shards = vllm_tp.peer_shards(
             vllm_tp.parse_sizes(self._extra.get("peer_tp_sizes")),
             tp_size=int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)),

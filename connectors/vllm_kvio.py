@@ -17,6 +17,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -168,6 +169,11 @@ def payload_tensor(
     return flat.view(dtype).view(*shape)
 
 
+# A chunk's blocks: vLLM's block ids, or (several KV cache groups) one list of them per group.
+BlockIds = Sequence[int] | Sequence[Sequence[int]]
+NULL_BLOCK = 0  # vLLM's null block (``BlockPool.null_block``): a sliding window's freed slots
+
+
 class PagedKV:
     """The layers' paged KV tensors, in a fixed layer order, indexed by vLLM's block ids.
 
@@ -310,11 +316,20 @@ class PagedKV:
         else:  # reorder on the device (cheap), then one contiguous D2H copy
             out.copy_(canon.contiguous().view(out.shape), non_blocking=True)
 
-    def index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        self._check_ids(block_ids)
-        return self._index(block_ids)
+    def count(self, block_ids: BlockIds) -> int:
+        """Blocks in ``block_ids`` (a chunk's)."""
+        return len(block_ids)
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def concat(self, parts: Sequence[BlockIds]) -> BlockIds:
+        """Several chunks' blocks as one, in order."""
+        return [b for ids in parts for b in cast(Sequence[int], ids)]
+
+    def index(self, block_ids: BlockIds) -> torch.Tensor:
+        ids = cast(Sequence[int], block_ids)
+        self._check_ids(ids)
+        return self._index(ids)
+
+    def gather(self, block_ids: BlockIds, out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out`` ([L, n, *block_shape], host).
 
         On an accelerator the copies are queued on the current stream.
@@ -340,7 +355,7 @@ class PagedKV:
         out.copy_(dev, non_blocking=True)
 
     def scatter(
-        self, block_ids: Sequence[int], src: torch.Tensor, heads: tuple[int, int] | None = None
+        self, block_ids: BlockIds, src: torch.Tensor, heads: tuple[int, int] | None = None
     ) -> None:
         """Write ``src`` ([L, n, *block_shape], host) into blocks ``block_ids`` of every layer.
         With ``heads`` (lo, hi), ``src`` holds KV heads [lo, hi) of each block only (part of
@@ -348,15 +363,9 @@ class PagedKV:
 
         On an accelerator the copies are queued on the current stream; ``src`` must stay
         valid (and unchanged) until they are done."""
+        block_ids = cast(Sequence[int], block_ids)
         self._check_ids(block_ids)
-        n_heads = self.block_shape[0]
-        if heads is not None and tuple(heads) == (0, n_heads):
-            heads = None
-        want = self.payload_shape(len(block_ids), None if heads is None else heads[1] - heads[0])
-        if heads is not None and not 0 <= heads[0] < heads[1] <= n_heads:
-            raise ValueError(f"head range {heads} outside [0, {n_heads})")
-        if tuple(src.shape) != want:
-            raise ValueError(f"payload shape {tuple(src.shape)} != {want}")
+        heads = self._check_payload(self.count(block_ids), src, heads)
         if heads is not None:
             self._scatter_heads(block_ids, src, heads)
             return
@@ -386,6 +395,21 @@ class PagedKV:
                 s = self._split(s)
             self._grouped[li].index_copy_(0, idx, s)
 
+    def _check_payload(
+        self, n: int, src: torch.Tensor, heads: tuple[int, int] | None
+    ) -> tuple[int, int] | None:
+        """``heads`` as ``scatter`` uses it (None for all heads), once ``src`` is checked to
+        be a payload of ``n`` blocks of them."""
+        n_heads = self.block_shape[0]
+        if heads is not None and tuple(heads) == (0, n_heads):
+            heads = None
+        want = self.payload_shape(n, None if heads is None else heads[1] - heads[0])
+        if heads is not None and not 0 <= heads[0] < heads[1] <= n_heads:
+            raise ValueError(f"head range {heads} outside [0, {n_heads})")
+        if tuple(src.shape) != want:
+            raise ValueError(f"payload shape {tuple(src.shape)} != {want}")
+        return heads
+
     def _scatter_heads(
         self, block_ids: Sequence[int], src: torch.Tensor, heads: tuple[int, int]
     ) -> None:
@@ -410,6 +434,132 @@ class PagedKV:
             if self.ratio > 1:
                 s = self._split(s)
             self._grouped[li].narrow(hdim, lo, n).index_copy_(0, idx, s)
+
+
+class GroupedPagedKV(PagedKV):
+    """Layers in several KV cache groups (vLLM's hybrid allocator: full attention and
+    sliding window layers), each group with its own block ids: a chunk's blocks are one
+    list per group, the payload is every layer in model order (as when vLLM makes them
+    one group), and ``NULL_BLOCK`` stands where a sliding window has freed a block: a load
+    skips it (the window needs only its own blocks), a save never names one. Each layer
+    is copied on its own: a block id means another block in each group, so no view spans
+    all layers."""
+
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        names: Sequence[str] | None,
+        groups: Sequence[int],
+        num_groups: int,
+        block_size: int | None = None,
+    ):
+        super().__init__(layers, names, block_size)
+        if len(groups) != self.num_layers or any(not 0 <= g < num_groups for g in groups):
+            raise ValueError(f"layer groups {list(groups)} do not fit {num_groups} groups")
+        self.groups = list(groups)
+        self.num_groups = num_groups
+        self._stack = None
+
+    def _ids(self, block_ids: BlockIds) -> list[list[int]]:
+        ids = [list(g) if isinstance(g, Sequence) else [] for g in block_ids]
+        if len(ids) != self.num_groups or len({len(g) for g in ids}) != 1 or not ids[0]:
+            raise ValueError(
+                f"block ids must be {self.num_groups} equally long lists (one per KV cache "
+                f"group), got {ids}"
+            )
+        return ids
+
+    def count(self, block_ids: BlockIds) -> int:
+        return len(self._ids(block_ids)[0])
+
+    def concat(self, parts: Sequence[BlockIds]) -> BlockIds:
+        out: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for p in parts:
+            for g, ids in enumerate(self._ids(p)):
+                out[g].extend(ids)
+        return out
+
+    def index(self, block_ids: BlockIds) -> torch.Tensor:
+        """``[groups, n]``: what the ``gather_layer*`` methods take (a save's blocks)."""
+        ids = self._ids(block_ids)
+        flat = [b for g in ids for b in g]
+        if NULL_BLOCK in flat:  # the scheduler saves only blocks every group holds
+            raise ValueError(f"a save names a freed (null) block: {ids}")
+        self._check_ids(flat)
+        return self._index(flat).view(self.num_groups, -1)
+
+    def _row(self, li: int, idx: torch.Tensor) -> torch.Tensor:
+        return idx[self.groups[li]] if idx.dim() == 2 else idx
+
+    def gather_layer(self, li: int, idx: torch.Tensor, out: torch.Tensor) -> None:
+        super().gather_layer(li, self._row(li, idx), out)
+
+    def gather_layer_local(self, li: int, idx: torch.Tensor, out: torch.Tensor) -> None:
+        super().gather_layer_local(li, self._row(li, idx), out)
+
+    def gather_layer_parts(
+        self, li: int, idx: torch.Tensor, parts: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        super().gather_layer_parts(li, self._row(li, idx), parts)
+
+    def gather(self, block_ids: BlockIds, out: torch.Tensor) -> None:
+        idx = self.index(block_ids)
+        if self.on_host:
+            for li in range(self.num_layers):
+                self.gather_layer(li, idx, out[li])
+            return
+        dev = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        for li in range(self.num_layers):
+            self.gather_layer_local(li, idx, dev[li])
+        out.copy_(dev, non_blocking=True)
+
+    def scatter(
+        self, block_ids: BlockIds, src: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> None:
+        ids = self._ids(block_ids)
+        self._check_ids([b for g in ids for b in g])
+        heads = self._check_payload(len(ids[0]), src, heads)
+        lo, hi = heads if heads is not None else (0, self.block_shape[0])
+        hdim = 2 if self.ratio > 1 else 1  # [B, (r,) H, N, C]
+        keep = [[j for j, b in enumerate(g) if b != NULL_BLOCK] for g in ids]
+        dsrc = src if self.on_host else src.to(self.device, non_blocking=True)
+        fast = self.on_host and self.ratio == 1
+        idx: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for li in range(self.num_layers):
+            g = self.groups[li]
+            if not keep[g]:
+                continue  # all of this chunk is before the group's window
+            dst = self._grouped[li]
+            if heads is not None:
+                dst = dst.narrow(hdim, lo, hi - lo)
+            s = dsrc[li]
+            if fast:  # CPU: a slice copy per run (index_copy_ is slow there)
+                for j, b, k in _pair_runs(keep[g], ids[g]):
+                    dst[b : b + k].copy_(s[j : j + k])
+                continue
+            if g not in idx:
+                rows = [ids[g][j] for j in keep[g]]
+                sel = None if len(rows) == len(ids[g]) else self._index(keep[g])
+                idx[g] = (self._index(rows), sel)
+            at, sel = idx[g]
+            if sel is not None:
+                s = s.index_select(0, sel)
+            if self.ratio > 1:
+                s = self._split(s)
+            dst.index_copy_(0, at, s)
+
+
+def _pair_runs(keep: Sequence[int], ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position, block id, length) runs over positions ``keep`` of ``ids`` where both
+    the position and the block id go up by one."""
+    out: list[tuple[int, int, int]] = []
+    for j in keep:
+        b = ids[j]
+        if out and out[-1][0] + out[-1][2] == j and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((j, b, 1))
+    return out
 
 
 def _stacked(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -5,11 +5,15 @@ the workers' timing of each step for the scheduler (``TieredCacheWorkerMeta``)."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+if TYPE_CHECKING:
+    from connectors.vllm_kvio import BlockIds
 
 
 @dataclass
@@ -26,6 +30,8 @@ class SaveChunk:
     # extends this one (the next turn of a conversation) can find and load.
     aligned: bool = False
     tenant: str = ""  # the request's tenant (its cache_salt's: ``tiered_cache.tenancy``)
+    # A model with several KV cache groups: every group's blocks (``blocks``).
+    group_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -45,6 +51,16 @@ class LoadChunk:
     # The writer's KV shards when a pool at another TP size wrote it (``key`` is its
     # shard 0's; connectors.vllm_tp); 0: this pool's own shards.
     shards: int = 0
+    # A model with several KV cache groups: every group's blocks (``blocks``).
+    group_ids: list[list[int]] = field(default_factory=list)
+
+
+def blocks(c: SaveChunk | LoadChunk) -> BlockIds:
+    """A chunk's vLLM blocks as the block copies take them (``connectors.vllm_kvio``):
+    ``block_ids``, the first KV cache group's (how many, and the only ones for most
+    models), or for a model with several groups every group's (``group_ids``; vLLM's null
+    block where a sliding window freed one: a load skips those)."""
+    return c.group_ids or c.block_ids
 
 
 @dataclass

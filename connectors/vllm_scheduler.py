@@ -112,7 +112,10 @@ class _ReqState:
     salt: str | None
     keys: list[str]
     spans: list[ChunkSpan]
-    block_ids: list[int] = field(default_factory=list)
+    # Its vLLM blocks, one list per KV cache group. A sliding-window group's blocks
+    # before its window are freed as it is computed (and not updated here): only blocks
+    # from ``KVGroups.first_live_block`` on are read (``_plan_saves``).
+    blocks: list[list[int]] = field(default_factory=list)
     next_save: int = 0
     tail_key: str | None = None  # key of the block-aligned copy of the partial tail
     save: bool = False  # this request's computed chunks go to the cache (``_saved_elsewhere``)
@@ -121,6 +124,22 @@ class _ReqState:
     # are while it decodes). A request that ends at its first token saves nothing.
     lag: bool = False
     request: Request | None = None  # for its block hashes (KV events: ``_describe``)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's blocks (how many a request holds)."""
+        return self.blocks[0] if self.blocks else []
+
+    def set_blocks(self, ids: Sequence[Sequence[int]] | None, extend: bool = False) -> None:
+        """vLLM's block ids of each group (``KVCacheBlocks.get_block_ids``), or with
+        ``extend`` the blocks a step added to each."""
+        if not ids or not ids[0]:
+            return
+        if extend and self.blocks:
+            for mine, more in zip(self.blocks, ids, strict=True):
+                mine.extend(more)
+        else:
+            self.blocks = [list(g) for g in ids]
 
 
 class SchedulerSide(ConnectorBase):
@@ -366,7 +385,9 @@ class SchedulerSide(ConnectorBase):
         if ext <= 0:
             return 0, False
         loaded = sources[first:k]
-        is_async = self._async_mode == "true" or (
+        # Several KV cache groups: async, as vLLM takes a failed load of theirs only as a
+        # whole request (``failed_recving``), not as blocks.
+        is_async = self._async_mode == "true" or self._groups.several or (
             self._async_mode == "auto" and any(src not in NODE_TIERS for src in loaded)
         )
         origins = [w.origin.get(i, sources[i]) for i in range(k)]
@@ -597,13 +618,13 @@ class SchedulerSide(ConnectorBase):
                     by_prefill = max(by_prefill, n)
                 st.next_save = max(by_prefill, self._found(rid, st.keys))
                 st.save = self._save_enabled or st.next_save < len(st.spans)
-                st.lag = not self._save_enabled
+                # Not with a sliding window: by the next step its blocks are freed.
+                st.lag = not self._save_enabled and not self._groups.windowed
         if st is None:
             return
         self._waits.pop(rid, None)  # scheduled: a preemption starts over (no waiting)
-        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        if block_ids:
-            st.block_ids = block_ids
+        if blocks is not None:
+            st.set_blocks(blocks.get_block_ids())
         if num_external_tokens <= 0:
             return
         m = self._matches.get(rid)
@@ -641,6 +662,7 @@ class SchedulerSide(ConnectorBase):
                     tokens=ntok,
                     origin=origin if origin != src else "",
                     shards=m.shards[s.index] if s.index < len(m.shards) else 0,
+                    group_ids=self._group_ids(st, r.lo, r.hi),
                 )
             )
             by_source[origin] = by_source.get(origin, 0) + ntok
@@ -725,37 +747,47 @@ class SchedulerSide(ConnectorBase):
             st = self._reqs.get(new.req_id)
             if st is None or not st.save:
                 continue
-            if new.block_ids:
-                st.block_ids = list(new.block_ids[0])
+            st.set_blocks(new.block_ids)
             done = new.num_computed_tokens + (0 if st.lag else sched.get(new.req_id, 0))
-            self._plan_saves(st, done, meta)
+            self._plan_saves(st, done, meta, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
             if st is None or not st.save:
                 continue
-            nb = cached.new_block_ids[i]
-            if nb:
-                if rid in resumed:
-                    st.block_ids = list(nb[0])
-                else:
-                    st.block_ids.extend(nb[0])
+            st.set_blocks(cached.new_block_ids[i], extend=rid not in resumed)
             done = cached.num_computed_tokens[i] + (0 if st.lag else sched.get(rid, 0))
-            self._plan_saves(st, done, meta)
+            self._plan_saves(st, done, meta, cached.num_computed_tokens[i])
         return meta
 
-    def _plan_saves(self, st: _ReqState, computed: int, meta: TieredCacheConnectorMetadata) -> None:
+    def _group_ids(self, st: _ReqState, lo: int, hi: int) -> list[list[int]]:
+        """Blocks [lo, hi) of every KV cache group (none: the model has one group)."""
+        return [g[lo:hi] for g in st.blocks] if self._groups.several else []
+
+    def _plan_saves(
+        self, st: _ReqState, computed: int, meta: TieredCacheConnectorMetadata, start: int
+    ) -> None:
+        """Plan the saves of the chunks done once ``computed`` tokens are (``start``: the
+        tokens computed before this step)."""
         n = len(st.prompt)
         added = False
         first = len(meta.saves)
         whole: list[tuple[str, str | None, int]] = []  # (key, parent, start) for aliases
+        live = self._groups.first_live_block(start, self._block_size)
         while st.next_save < len(st.spans):
             s = st.spans[st.next_save]
             if s.end > min(computed, n) or s.end_block > len(st.block_ids):
                 break
             if s.num_tokens < self._chunk_size and not self._save_unfull:
                 break  # the partial tail chunk stays out of the cache
+            if s.first_block < live:
+                # Its sliding-window blocks are freed (the prompt was computed over several
+                # steps, longer than the window, than this chunk): it cannot be saved, and
+                # the chunks after it would never be a hit without it.
+                self._stats.inc("saves_skipped", "window", len(st.spans) - st.next_save)
+                st.next_save = len(st.spans)
+                break
             parent = st.keys[s.index - 1] if s.index else None
             tenant = tenant_of_salt(st.salt)  # the chunks carry it: the agent's accounts
             meta.saves.append(
@@ -767,14 +799,17 @@ class SchedulerSide(ConnectorBase):
                     st.block_ids[s.first_block : s.end_block],
                     parent,
                     tenant=tenant,
+                    group_ids=self._group_ids(st, s.first_block, s.end_block),
                 )
             )
             if st.tail_key is not None and s.index == len(st.spans) - 1:
                 n_al = s.num_tokens - s.num_tokens % self._block_size
+                end_al = s.first_block + n_al // self._block_size
                 meta.saves.append(SaveChunk(
                     st.req_id, s.index, st.tail_key, n_al,
-                    st.block_ids[s.first_block : s.first_block + n_al // self._block_size],
+                    st.block_ids[s.first_block : end_al],
                     parent, aligned=True, tenant=tenant,
+                    group_ids=self._group_ids(st, s.first_block, end_al),
                 ))  # fmt: skip
             if s.num_tokens == self._chunk_size:
                 whole.append((st.keys[s.index], parent, s.start))

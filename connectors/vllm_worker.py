@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 
@@ -24,16 +25,22 @@ from connectors.vllm_common import (
     ConnectorArgs,
     ConnectorBase,
     _as_bool,
-    _single_group_spec,
     logger,
 )
-from connectors.vllm_kvio import HostStaging, PagedKV, dtype_name, payload_tensor
+from connectors.vllm_kvio import (
+    GroupedPagedKV,
+    HostStaging,
+    PagedKV,
+    dtype_name,
+    payload_tensor,
+)
 from connectors.vllm_metadata import (
     LoadChunk,
     LoadJob,
     SaveChunk,
     TieredCacheConnectorMetadata,
     TieredCacheWorkerMeta,
+    blocks,
 )
 from connectors.vllm_metrics import farthest
 from tiered_cache.api import SlotReservation, SlotStore
@@ -89,6 +96,7 @@ class WorkerSide(ConnectorBase):
         self._pending_commits: list[Future[None]] = []
         self._inflight: dict[str, Future[set[int]]] = {}
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # async loads that failed (several KV groups)
         # Forward timing for the scheduler's rate: device timers (CUDA events: host clocks
         # would time kernel launches), resolved once the device has run them.
         self._timing = False
@@ -111,15 +119,21 @@ class WorkerSide(ConnectorBase):
         self._meta = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        group = _single_group_spec(self._kv_cache_config)
-        names = [n for n in group.layer_names if n in kv_caches] or list(kv_caches)
+        groups = self._groups
+        names = [n for n in groups.layer_names if n in kv_caches] or list(kv_caches)
         missing = [n for n in kv_caches if n not in names]
         if missing:
-            logger.warning("TieredCacheConnector: layers outside the KV group ignored: %s", missing)
+            logger.warning("TieredCacheConnector: layers outside the KV groups ignored: %s",
+                           missing)  # fmt: skip
         layers = [kv_caches[n] for n in names]
         # Views may count kernel blocks (FlashInfer, FlashMLA, CUTLASS MLA split vLLM's
         # blocks): PagedKV regroups them into blocks of --block-size tokens.
-        kv = PagedKV(layers, names, block_size=self._block_size)
+        if groups.several:
+            of = dict(zip(groups.layer_names, groups.layer_group, strict=True))
+            kv: PagedKV = GroupedPagedKV(layers, names, [of.get(n, 0) for n in names],
+                                         len(groups.windows), block_size=self._block_size)
+        else:
+            kv = PagedKV(layers, names, block_size=self._block_size)
         if dtype_name(kv.dtype) != self._id.tensor_dtype:
             raise ValueError(
                 f"TieredCacheConnector: KV tensors are {dtype_name(kv.dtype)} but the "
@@ -365,7 +379,7 @@ class WorkerSide(ConnectorBase):
                     # copied from directly (and waited for), anything else (a head slice
                     # too: strided) through pinned staging.
                     pinned = dev.needs_pinned and p.src is None and src.is_pinned()
-                    copier.load_chunk(c.block_ids, src, src_pinned=pinned, heads=p.dst)
+                    copier.load_chunk(blocks(c), src, src_pinned=pinned, heads=p.dst)
                 except Exception as e:  # never let a bad chunk take the engine down
                     reasons[i], kinds[i] = f"copy failed: {e!r}", "copy_error"
 
@@ -459,9 +473,23 @@ class WorkerSide(ConnectorBase):
         for rid, fut in list(self._inflight.items()):
             if fut.done():
                 del self._inflight[rid]
-                self._load_errors |= fut.result()
+                bad = fut.result()
+                if bad and self._groups.several:
+                    # Block ids name a block per group: vLLM takes only whole requests.
+                    self._failed_loads.add(rid)
+                else:
+                    self._load_errors |= bad
                 done.add(rid)
         return None, (done or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_loads = self._failed_loads, set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
@@ -528,7 +556,7 @@ class WorkerSide(ConnectorBase):
         if not isinstance(meta, TieredCacheConnectorMetadata) or not meta.saves:
             return
         if (st is not None and st.skipped) or (st is None and not self._cache_up()):
-            self._stats.inc("saves_skipped", "", len(meta.saves))
+            self._stats.inc("saves_skipped", "unavailable", len(meta.saves))
             return
         try:
             if st is None or st.res is None:
@@ -552,7 +580,7 @@ class WorkerSide(ConnectorBase):
         except OSError as e:  # the agent went away: later steps skip saving until it is back
             self._guard.failed(e)
             self._stats.inc("store_errors", "save")
-            self._stats.inc("saves_skipped", "", len(meta.saves))
+            self._stats.inc("saves_skipped", "unavailable", len(meta.saves))
         except Exception as e:  # a failed save is a future miss, not an engine crash
             self._stats.inc("store_errors", "save")
             self._log_once(f"save:{type(e).__name__}", "tiered cache save failed: %r", e)
@@ -594,7 +622,7 @@ class WorkerSide(ConnectorBase):
                 for v, (s, _, _) in zip(res.views, todo, strict=True)
             ]
             assert self._copier is not None
-            st.copy = self._copier.begin_save([s.block_ids for s, _, _ in todo], dests)
+            st.copy = self._copier.begin_save([blocks(s) for s, _, _ in todo], dests)
         except BaseException:  # the slots go back; the staged path saves the chunks
             with contextlib.suppress(Exception):
                 store.abort_reservation(res)
@@ -676,7 +704,7 @@ class WorkerSide(ConnectorBase):
                 n = kv.payload_nbytes(nb)
                 flat = buf[off : off + n]
                 assert self._copier is not None
-                self._copier.gather(s.block_ids, flat.view(kv.dtype).view(kv.payload_shape(nb)))
+                self._copier.gather(blocks(s), flat.view(kv.dtype).view(kv.payload_shape(nb)))
                 items.append((self._chunk_meta(s, key, parent), flat.numpy().data))
                 off += n
             # put_many returns once the bytes are copied out of staging.

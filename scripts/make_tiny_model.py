@@ -12,6 +12,9 @@ a token, so a 256-token chunk is 12 MiB, the size class of real models (tests).
 ``kvheavy``: 16 layers, hidden 256, 8 heads of 256 dims, all KV heads, bfloat16: 128 KiB
 of KV a token like Llama-3-8B (32 MiB a 256-token chunk) at a fraction of its compute
 (serving benchmark).
+``window``: the tiny Llama with 4 layers, alternately sliding-window (128 tokens) and full
+attention, as Gemma 2/3 and gpt-oss interleave them (vLLM gives it two KV cache groups;
+the sliding-window tests).
 ``mla``: a DeepSeek-V2 (MLA) model, 2 layers, hidden 128, 4 heads, a 512-wide latent plus
 a 64-dim rope key (576 values a token, the head size vLLM's MLA kernels take), dense MLPs
 (vLLM's CPU MoE router refuses this small a MoE), vocab 512, bfloat16 (vLLM's CPU MLA
@@ -98,6 +101,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=4096,
         dtype="bfloat16",
+    ),
+    "window": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=128,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        dtype="float32",
     ),
     "kvheavy": dict(
         hidden_size=256,
@@ -196,6 +211,7 @@ def _llama(cfg: dict[str, Any], special: dict[str, Any]) -> Any:
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,
+        **{f: cfg[f] for f in ("layer_types", "sliding_window") if f in cfg},
         **special,
     )
 

@@ -174,19 +174,21 @@ class FakeRequest:
 @dataclass
 class FakeBlocks:
     ids: list[int]
+    more: tuple[list[int], ...] = ()  # the other KV cache groups' blocks
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return (self.ids,)
+        return (self.ids, *self.more)
 
 
-def sched_output(new: list[tuple[FakeRequest, list[int], int, int]]) -> Any:
-    """SchedulerOutput stand-in: (request, block ids, num computed, num scheduled)."""
+def sched_output(new: list[tuple[FakeRequest, Any, int, int]]) -> Any:
+    """SchedulerOutput stand-in: (request, block ids (a list, or one per KV cache group),
+    num computed, num scheduled)."""
     return SimpleNamespace(
         scheduled_new_reqs=[
             SimpleNamespace(
                 req_id=r.request_id,
                 prompt_token_ids=r.prompt_token_ids,
-                block_ids=(ids,),
+                block_ids=tuple(ids) if ids and isinstance(ids[0], list) else (ids,),
                 num_computed_tokens=done,
             )
             for r, ids, done, _ in new
@@ -218,8 +220,11 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryChunkStore]:
 
 def make_connector(
     mod: Any, role: str, kv_role: str, bs: int = BS, tp: int = 1, mla: bool = False,
-    heads: int = H, total_heads: int | None = None, **extra: Any,
+    heads: int = H, total_heads: int | None = None, window: int | None = None, **extra: Any,
 ) -> Any:
+    """``window``: the even layers get a sliding window of that many tokens, in a KV cache
+    group of their own (group 0; the odd layers are group 1), as under vLLM's hybrid
+    allocator."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
@@ -227,6 +232,7 @@ def make_connector(
         KVCacheConfig,
         KVCacheGroupSpec,
         MLAAttentionSpec,
+        SlidingWindowSpec,
     )
 
     ktc = KVTransferConfig(
@@ -246,11 +252,11 @@ def make_connector(
                               dtype=torch.float32)  # fmt: skip
     spec = MLAAttentionSpec(**kw, max_tp_shards=1) if mla else FullAttentionSpec(**kw)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    kcc = KVCacheConfig(
-        num_blocks=64,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
+    groups = [KVCacheGroupSpec(names, spec)]
+    if window is not None:
+        groups = [KVCacheGroupSpec(names[0::2], SlidingWindowSpec(**kw, sliding_window=window)),
+                  KVCacheGroupSpec(names[1::2], spec)]  # fmt: skip
+    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
     kcc.kv_cache_layout = "LBHNC"
     r = KVConnectorRole.SCHEDULER if role == "scheduler" else KVConnectorRole.WORKER
     return mod.TieredCacheConnector(cfg, r, kcc)
@@ -1036,7 +1042,7 @@ def test_dead_agent_costs_requests_nothing_and_is_found_again(
         assert "Traceback" not in caplog.text
         c = counters(d.sched.get_kv_connector_stats())
         assert c["recompute_fallbacks"] == {"unavailable": 21}
-        assert counters(p.worker.get_kv_connector_stats())["saves_skipped"] == {"": 4}
+        assert counters(p.worker.get_kv_connector_stats())["saves_skipped"] == {"unavailable": 4}
         # The agent comes back: after the backoff the next request finds it again.
         agent = spawn_agent(cfg, timeout=60, stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)  # fmt: skip
@@ -1371,10 +1377,10 @@ def test_peer_tp_sizes_it_cannot_serve_are_refused_with_one_line(
     assert mla.scheduler._read_shards == [1]  # one shard at any size: the same keys
 
 
-def test_kv_caches_it_cannot_cut_into_chunks_are_refused_with_one_line() -> None:
-    """A sliding window's or a Mamba state's cache, several groups (hybrid models) or
-    non-causal (prefix LM) layers stop the connector at start-up naming what the model
-    has; MLA is full attention."""
+def test_kv_groups_take_full_and_sliding_window_and_refuse_the_rest() -> None:
+    """Full attention (MLA too) and sliding-window groups are taken, the layers in model
+    order; a Mamba state, groups of different block layouts and non-causal (prefix LM)
+    layers stop the connector at start-up naming what the model has."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -1384,26 +1390,37 @@ def test_kv_caches_it_cannot_cut_into_chunks_are_refused_with_one_line() -> None
         SlidingWindowSpec,
     )
 
-    from connectors.vllm_common import _single_group_spec
+    from connectors.vllm_common import kv_groups
 
     kw: dict[str, Any] = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
     full, swa = FullAttentionSpec(**kw), SlidingWindowSpec(**kw, sliding_window=64)
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
 
-    def cfg(*specs: Any) -> Any:
-        groups = [KVCacheGroupSpec([f"l{i}"], sp) for i, sp in enumerate(specs)]
+    def cfg(*specs: Any, layers: int = 1) -> Any:
+        groups = [KVCacheGroupSpec([f"model.layers.{g + len(specs) * i}.attn"
+                                    for i in range(layers)], sp)
+                  for g, sp in enumerate(specs)]  # fmt: skip
         return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
-    assert _single_group_spec(cfg(full)).kv_cache_spec is full
+    one = kv_groups(cfg(full))
+    assert one.spec is full and not one.several and not one.windowed
     mla = MLAAttentionSpec(**{**kw, "num_kv_heads": 1})
-    assert _single_group_spec(cfg(mla)).kv_cache_spec is mla
-    with pytest.raises(ValueError, match=r"has 2 \(FullAttentionSpec, SlidingWindowSpec\)"):
-        _single_group_spec(cfg(full, swa))
-    for spec in (swa, mamba):
-        with pytest.raises(ValueError, match=f"this model's is {type(spec).__name__}"):
-            _single_group_spec(cfg(spec))
+    assert kv_groups(cfg(mla)).spec is mla
+    # Sliding-window and full layers interleaved (Gemma 2/3, gpt-oss): two groups, every
+    # layer in model order, the full group's spec as the layout.
+    two = kv_groups(cfg(swa, full, layers=2))
+    assert two.spec is full and two.several and two.windowed
+    assert two.layer_names == tuple(f"model.layers.{i}.attn" for i in range(4))
+    assert two.layer_group == (0, 1, 0, 1) and two.windows == (64, None)
+    # A window of 64 after 100 tokens: tokens 0..36 are out of it, so blocks 0 and 1 are.
+    assert two.first_live_block(100, 16) == 2 and two.first_live_block(64, 16) == 0
+    assert kv_groups(cfg(swa)).windows == (64,)  # a sliding window on every layer
+    with pytest.raises(ValueError, match=r"groups are FullAttentionSpec, MambaSpec"):
+        kv_groups(cfg(full, mamba))
+    with pytest.raises(ValueError, match="one block layout"):
+        kv_groups(cfg(full, SlidingWindowSpec(**{**kw, "head_size": 16}, sliding_window=64)))
     with pytest.raises(ValueError, match=r"non-causal \(prefix LM\)"):
-        _single_group_spec(cfg(FullAttentionSpec(**kw, non_causal=True)))
+        kv_groups(cfg(FullAttentionSpec(**kw, non_causal=True)))
 
 
 def test_kv_shards_follow_vllms_replicas() -> None:
@@ -1619,3 +1636,120 @@ def test_a_decode_saves_what_it_computes_when_the_router_skipped_the_prefill(
         m = d.step(sched_output([(r, b, got, len(turn3) - got)]))
         assert m.saves == [] and d.step(decode_step(r, len(turn3))).saves == [], rid
         d.sched.request_finished(r, b)
+
+
+# ------------------------------------------------------- several KV cache groups (HMA)
+
+WINDOW = 32  # tokens: two blocks of the even (sliding-window) layers
+
+
+def test_several_groups_save_and_load_each_group_in_its_own_blocks(
+    vllm_mod: Any, store: MemoryChunkStore
+) -> None:
+    """A hybrid model's chunk holds every layer in model order, each read from its own
+    group's blocks; a reader writes each group into its own blocks, and a sliding-window
+    group only into the blocks of its window (vLLM's null block stands for the others
+    and is left as it was). Such loads are async: vLLM takes their failures only per
+    request."""
+    p = Node(vllm_mod, "kv_producer", seed=1, window=WINDOW)
+    sw, full = list(range(20, 30)), list(range(30, 40))
+    req = FakeRequest("p1", PROMPT)
+    p.sched.update_state_after_alloc(req, FakeBlocks(sw, (full,)), 0)
+    meta = p.step(sched_output([(req, [sw, full], 0, len(PROMPT))]))
+    assert [(s.index, s.group_ids) for s in meta.saves][:2] == [
+        (0, [sw[0:4], full[0:4]]), (1, [sw[4:8], full[4:8]])
+    ]
+    m, payload = codec.decode(store._data[meta.saves[0].key])
+    got = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(m.shape)
+    for li in range(LAYERS):
+        ids = sw if li % 2 == 0 else full
+        assert torch.equal(got[li], p.layers[li][ids[0:4]])
+
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0, window=WINDOW)
+    dreq = FakeRequest("d1", PROMPT)
+    n, is_async = d.sched.get_num_new_matched_tokens(dreq, 0)
+    assert (n, is_async) == (len(PROMPT) - 1, True)  # async although async_load is off
+    # vLLM's allocation for 149 computed tokens: tokens 0..117 are before the window, so
+    # the sliding group's blocks 0..6 are the null block.
+    d_sw, d_full = [0] * 7 + [47, 48, 49], list(range(50, 60))
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(d_sw, (d_full,)), n)
+    d.step(sched_output([]))
+    assert d.finish_loads() == ({"d1"}, set())
+    for li in range(LAYERS):
+        if li % 2:
+            assert torch.equal(d.layers[li][d_full], p.layers[li][full])
+        else:
+            assert torch.equal(d.layers[li][d_sw[7:]], p.layers[li][sw[7:]])
+            assert not d.layers[li][0].any()  # the null block: nothing written
+
+
+def test_a_chunk_before_the_window_is_not_saved(vllm_mod: Any, store: MemoryChunkStore) -> None:
+    """Computed 40 tokens a step, a chunk ends after vLLM freed the first blocks of its
+    sliding-window layers (a window of 32): it is not saved (it would hold another
+    request's KV), nor the chunks after it, and the skip is counted."""
+    p = Node(vllm_mod, "kv_producer", seed=1, window=WINDOW)
+    sw, full = list(range(20, 30)), list(range(30, 40))
+    req = FakeRequest("p1", PROMPT)
+    p.sched.update_state_after_alloc(req, FakeBlocks(sw[:3], (full[:3],)), 0)
+    assert p.step(sched_output([(req, [sw[:3], full[:3]], 0, 40)])).saves == []
+
+    def step(computed: int, n: int, lo: int, hi: int) -> Any:
+        cached = SimpleNamespace(req_ids=["p1"], new_block_ids=[(sw[lo:hi], full[lo:hi])],
+                                 num_computed_tokens=[computed], resumed_req_ids=set())
+        return p.step(SimpleNamespace(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"p1": n},
+            total_num_scheduled_tokens=n,
+        ))  # fmt: skip
+
+    # Tokens 40..79: chunk 0 (blocks 0-3) is done and its blocks all held (the window
+    # after 40 tokens starts at token 9, in block 0).
+    assert [s.index for s in step(40, 40, 3, 5).saves] == [0]
+    assert step(80, 40, 5, 8).saves == []
+    # Tokens 120..149: chunk 1 (blocks 4-7) is done, but after 120 tokens the window
+    # starts at token 89: blocks 0-4 of the sliding layers are freed.
+    assert step(120, 30, 8, 10).saves == []
+    stats = counters(p.sched.get_kv_connector_stats())
+    assert stats["saves_skipped"] == {"window": 2}  # chunk 1 and the tail
+    assert len(store._data) == 1
+
+
+def test_several_groups_report_a_failed_load_per_request(
+    vllm_mod: Any, store: MemoryChunkStore
+) -> None:
+    """Block ids name a different block in each group, so vLLM takes a failed load of a
+    hybrid model only as ``failed_recving``: the request recomputes."""
+    p = Node(vllm_mod, "kv_producer", seed=1, window=WINDOW)
+    sw, full = list(range(20, 30)), list(range(30, 40))
+    req = FakeRequest("p1", PROMPT)
+    p.sched.update_state_after_alloc(req, FakeBlocks(sw, (full,)), 0)
+    p.step(sched_output([(req, [sw, full], 0, len(PROMPT))]))
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0, window=WINDOW)
+    dreq = FakeRequest("d1", PROMPT)
+    n, _ = d.sched.get_num_new_matched_tokens(dreq, 0)
+    d.sched.update_state_after_alloc(dreq, FakeBlocks([0] * 7 + [47, 48, 49],
+                                                      (list(range(50, 60)),)), n)  # fmt: skip
+    key1 = d.sched.scheduler._reqs["d1"].keys[1]
+    raw = bytearray(store._data[key1])
+    raw[-5] ^= 0x40
+    store._data[key1] = bytes(raw)
+    d.step(sched_output([]))
+    deadline = time.monotonic() + 10
+    while d.worker.worker._inflight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    res = d.worker.get_transfer_results(set())
+    assert res.failed_recving == {"d1"} and res.finished_recving == {"d1"}
+    assert d.worker.get_block_ids_with_load_errors() == set()
+
+
+def test_grouped_paged_kv_refuses_a_save_of_a_freed_block() -> None:
+    from connectors.vllm_kvio import GroupedPagedKV
+
+    layers = kv_layers(8)
+    kv = GroupedPagedKV(layers, None, [0, 1, 0], 2)
+    out = torch.empty(kv.payload_shape(2))
+    kv.gather([[3, 4], [5, 6]], out)
+    assert torch.equal(out[1], layers[1][[5, 6]]) and torch.equal(out[2], layers[2][[3, 4]])
+    with pytest.raises(ValueError, match="freed"):
+        kv.gather([[0, 4], [5, 6]], out)
+    with pytest.raises(ValueError, match="one per KV cache group"):
+        kv.gather([3, 4], out)

@@ -39,7 +39,9 @@ CONNECTOR_METRICS: dict[str, tuple[str, str, str]] = {
         "found chunks; prefix, a cheaper prefix; recompute, none)",
     ),
     "saves_skipped": (
-        "counter", "", "Chunks not saved because the node agent was unavailable",
+        "counter", "reason",
+        "Chunks not saved (reason: unavailable, the node agent was down; window, a sliding "
+        "window had freed their blocks before they could be copied)",
     ),
     "layout_mismatches": (
         "counter", "",

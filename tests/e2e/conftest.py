@@ -71,6 +71,13 @@ def mla_model() -> str:
     )
 
 
+@pytest.fixture(scope="session")
+def window_model() -> str:
+    """The tiny Llama with sliding-window (128 tokens) and full-attention layers
+    interleaved: two KV cache groups under vLLM's hybrid allocator."""
+    return _model("window", Path(tempfile.gettempdir()) / "tiered-cache-models" / "window-float32")
+
+
 @pytest.fixture(scope="module")
 def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedStore]:
     root = tmp_path_factory.mktemp("tc-store")
