@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 
 from connectors.kv_copy import KVCopier
 from connectors.kv_device import device_for
-from connectors.vllm_kvio import PagedKV, chunk_spans, dtype_name, payload_tensor
+from connectors.vllm_kvio import (
+    GroupedPagedKV,
+    PagedKV,
+    chunk_spans,
+    dtype_name,
+    payload_tensor,
+)
 from gpu.layouts import (
     BACKENDS,
     BY_NAME,
@@ -256,3 +262,58 @@ def test_a_view_that_does_not_divide_the_block_size_is_refused() -> None:
     t = torch.zeros(8, 2, 24, 4)
     with pytest.raises(ValueError, match="unsupported KV cache layout"):
         PagedKV([t], block_size=64)
+
+
+# One case per backend and layout, at its smallest block size (kernel splits included).
+GROUPED = sorted({(c[0], c[1]): c for c in reversed(GRID)}.values())
+
+
+def _grouped(c: Cache) -> Cache:
+    """``c``'s layers as two KV cache groups (even layers a sliding window's, odd ones
+    full attention), as vLLM's hybrid allocator hands them over."""
+    bs = c.spec.block_size
+    kv = GroupedPagedKV(c.views, [f"layer.{i}" for i in range(len(c.views))],
+                        [i % 2 for i in range(len(c.views))], 2, block_size=bs)  # fmt: skip
+    kv.on_host = c.kv.on_host
+    return Cache(c.spec, c.raw, c.views, kv, KVCopier(kv, device_for(c.views[0])))
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("case", GROUPED, ids=["-".join(map(str, c)) for c in GROUPED])
+def test_several_kv_cache_groups_round_trip(case: tuple[str, str, str, int], device_path: bool,
+                                            device: torch.device) -> None:
+    """Each group's layers are saved from, and loaded into, that group's own blocks; the
+    sliding-window group's null blocks (before its window) are skipped, so block 0 and
+    every block outside a group's own stay as they were."""
+    bs = case[3]
+    src = _grouped(make_cache(case, device, device_path=device_path))
+    dst = _grouped(make_cache(case, device, fill=0x5A, device_path=device_path))
+    before = canonical(dst.views, bs).cpu()
+    g = torch.Generator().manual_seed(3)
+
+    def perm() -> list[int]:  # 6 real blocks (never the null block 0)
+        return (torch.randperm(NUM_BLOCKS - 1, generator=g) + 1).tolist()[:6]
+
+    s_ids, d_ids = [perm(), perm()], [perm(), perm()]
+    d_ids[0][:4] = [0] * 4  # the window starts in block 4
+    kv = src.kv
+    dests = [torch.empty(kv.payload_shape(3), dtype=kv.dtype) for _ in range(2)]
+    sc = src.copier.begin_save([[ids[0:3] for ids in s_ids], [ids[3:6] for ids in s_ids]],
+                               dests)  # fmt: skip
+    for li in range(kv.num_layers):
+        src.copier.save_layer(sc, li)
+    src.copier.finish_save(sc)
+    dst.copier.load_begin()
+    for k in range(2):
+        dst.copier.load_chunk([ids[3 * k : 3 * k + 3] for ids in d_ids], dests[k])
+    dst.copier.load_end()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    a, b = canonical(src.views, bs).cpu(), canonical(dst.views, bs).cpu()
+    for li in range(kv.num_layers):
+        ids, sids = d_ids[li % 2], s_ids[li % 2]
+        for j, blk in enumerate(ids):
+            if blk:
+                assert torch.equal(b[li, blk], a[li, sids[j]]), (li, j)
+        untouched = sorted(set(range(NUM_BLOCKS)) - set(ids) | {0})
+        assert torch.equal(b[li, untouched], before[li, untouched]), li
