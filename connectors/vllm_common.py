@@ -94,8 +94,12 @@ class KVGroups:
     windows: tuple[int | None, ...]
 
     @property
-    def several(self) -> bool:
-        return len(self.windows) > 1
+    def grouped(self) -> bool:
+        """Whether blocks are copied group by group (``GroupedPagedKV``): with several
+        groups, whose block ids each name another block, or a sliding window, whose
+        freed blocks are vLLM's null block. vLLM then takes a failed load only per
+        request, so loads are async (``failed_recving``)."""
+        return len(self.windows) > 1 or self.windowed
 
     @property
     def windowed(self) -> bool:

@@ -385,9 +385,9 @@ class SchedulerSide(ConnectorBase):
         if ext <= 0:
             return 0, False
         loaded = sources[first:k]
-        # Several KV cache groups: async, as vLLM takes a failed load of theirs only as a
-        # whole request (``failed_recving``), not as blocks.
-        is_async = self._async_mode == "true" or self._groups.several or (
+        # Copied group by group (``KVGroups.grouped``): async, as vLLM takes a failed load
+        # of several groups only as a whole request (``failed_recving``), not as blocks.
+        is_async = self._async_mode == "true" or self._groups.grouped or (
             self._async_mode == "auto" and any(src not in NODE_TIERS for src in loaded)
         )
         origins = [w.origin.get(i, sources[i]) for i in range(k)]
@@ -762,8 +762,8 @@ class SchedulerSide(ConnectorBase):
         return meta
 
     def _group_ids(self, st: _ReqState, lo: int, hi: int) -> list[list[int]]:
-        """Blocks [lo, hi) of every KV cache group (none: the model has one group)."""
-        return [g[lo:hi] for g in st.blocks] if self._groups.several else []
+        """Blocks [lo, hi) of every KV cache group (none: copied as one group)."""
+        return [g[lo:hi] for g in st.blocks] if self._groups.grouped else []
 
     def _plan_saves(
         self, st: _ReqState, computed: int, meta: TieredCacheConnectorMetadata, start: int

@@ -128,7 +128,7 @@ class WorkerSide(ConnectorBase):
         layers = [kv_caches[n] for n in names]
         # Views may count kernel blocks (FlashInfer, FlashMLA, CUTLASS MLA split vLLM's
         # blocks): PagedKV regroups them into blocks of --block-size tokens.
-        if groups.several:
+        if groups.grouped:
             of = dict(zip(groups.layer_names, groups.layer_group, strict=True))
             kv: PagedKV = GroupedPagedKV(layers, names, [of.get(n, 0) for n in names],
                                          len(groups.windows), block_size=self._block_size)
@@ -474,8 +474,9 @@ class WorkerSide(ConnectorBase):
             if fut.done():
                 del self._inflight[rid]
                 bad = fut.result()
-                if bad and self._groups.several:
-                    # Block ids name a block per group: vLLM takes only whole requests.
+                if bad and self._groups.grouped:
+                    # Block ids name a block per group (or the shared null block): vLLM
+                    # takes only whole requests.
                     self._failed_loads.add(rid)
                 else:
                     self._load_errors |= bad

@@ -220,11 +220,12 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryChunkStore]:
 
 def make_connector(
     mod: Any, role: str, kv_role: str, bs: int = BS, tp: int = 1, mla: bool = False,
-    heads: int = H, total_heads: int | None = None, window: int | None = None, **extra: Any,
+    heads: int = H, total_heads: int | None = None, window: int | None = None,
+    window_only: bool = False, **extra: Any,
 ) -> Any:
     """``window``: the even layers get a sliding window of that many tokens, in a KV cache
     group of their own (group 0; the odd layers are group 1), as under vLLM's hybrid
-    allocator."""
+    allocator; with ``window_only``, every layer, in one group."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
@@ -253,7 +254,9 @@ def make_connector(
     spec = MLAAttentionSpec(**kw, max_tp_shards=1) if mla else FullAttentionSpec(**kw)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     groups = [KVCacheGroupSpec(names, spec)]
-    if window is not None:
+    if window is not None and window_only:
+        groups = [KVCacheGroupSpec(names, SlidingWindowSpec(**kw, sliding_window=window))]
+    elif window is not None:
         groups = [KVCacheGroupSpec(names[0::2], SlidingWindowSpec(**kw, sliding_window=window)),
                   KVCacheGroupSpec(names[1::2], spec)]  # fmt: skip
     kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
@@ -1403,18 +1406,19 @@ def test_kv_groups_take_full_and_sliding_window_and_refuse_the_rest() -> None:
         return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
     one = kv_groups(cfg(full))
-    assert one.spec is full and not one.several and not one.windowed
+    assert one.spec is full and not one.grouped and not one.windowed
     mla = MLAAttentionSpec(**{**kw, "num_kv_heads": 1})
     assert kv_groups(cfg(mla)).spec is mla
     # Sliding-window and full layers interleaved (Gemma 2/3, gpt-oss): two groups, every
     # layer in model order, the full group's spec as the layout.
     two = kv_groups(cfg(swa, full, layers=2))
-    assert two.spec is full and two.several and two.windowed
+    assert two.spec is full and two.grouped and two.windowed
     assert two.layer_names == tuple(f"model.layers.{i}.attn" for i in range(4))
     assert two.layer_group == (0, 1, 0, 1) and two.windows == (64, None)
     # A window of 64 after 100 tokens: tokens 0..36 are out of it, so blocks 0 and 1 are.
     assert two.first_live_block(100, 16) == 2 and two.first_live_block(64, 16) == 0
-    assert kv_groups(cfg(swa)).windows == (64,)  # a sliding window on every layer
+    only = kv_groups(cfg(swa))  # a sliding window on every layer: copied as a group
+    assert only.windows == (64,) and only.grouped
     with pytest.raises(ValueError, match=r"groups are FullAttentionSpec, MambaSpec"):
         kv_groups(cfg(full, mamba))
     with pytest.raises(ValueError, match="one block layout"):
@@ -1753,3 +1757,29 @@ def test_grouped_paged_kv_refuses_a_save_of_a_freed_block() -> None:
         kv.gather([[0, 4], [5, 6]], out)
     with pytest.raises(ValueError, match="one per KV cache group"):
         kv.gather([3, 4], out)
+
+
+def test_a_sliding_window_on_every_layer_skips_its_null_blocks(
+    vllm_mod: Any, store: MemoryChunkStore
+) -> None:
+    """One sliding-window group (Mistral 7B v0.1 style): still copied as a group, so a
+    load writes nothing into vLLM's null block, and its failure is the request's (the
+    null block is in every such request's table: as a failed block id it would name
+    them all)."""
+    p = Node(vllm_mod, "kv_producer", seed=1, window=WINDOW, window_only=True)
+    req = FakeRequest("p1", PROMPT)
+    p.sched.update_state_after_alloc(req, FakeBlocks(P_BLOCKS), 0)
+    meta = p.step(sched_output([(req, [P_BLOCKS], 0, len(PROMPT))]))
+    assert meta.saves[0].group_ids == [P_BLOCKS[0:4]]
+    d = Node(vllm_mod, "kv_consumer", seed=2, zero=True, load_wait_timeout_s=0, window=WINDOW,
+             window_only=True)  # fmt: skip
+    dreq = FakeRequest("d1", PROMPT)
+    n, is_async = d.sched.get_num_new_matched_tokens(dreq, 0)
+    assert (n, is_async) == (len(PROMPT) - 1, True)
+    ids = [0] * 7 + D_BLOCKS[7:]
+    d.sched.update_state_after_alloc(dreq, FakeBlocks(ids), n)
+    d.step(sched_output([]))
+    assert d.finish_loads() == ({"d1"}, set())
+    for li in range(LAYERS):
+        assert torch.equal(d.layers[li][D_BLOCKS[7:]], p.layers[li][P_BLOCKS[7:]])
+        assert not d.layers[li][0].any()
