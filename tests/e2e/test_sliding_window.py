@@ -8,7 +8,9 @@ and a chunk whose window blocks were freed before it could be copied is not save
 
 Servers (the ``window`` model: 4 layers, a 128-token window on layers 0 and 2; 32-token
 blocks, as vLLM frees a window's blocks whole): ``mono`` (no connector, the reference),
-``prefill`` and ``decode`` (``kv_both`` over one store); ``decode`` computes at most 64
+``prefill``, ``decode`` and ``onegroup`` (``kv_both`` over one store; ``onegroup`` with
+vLLM's hybrid allocator off, as for a connector without ``SupportsHMA``); ``decode``
+computes at most 64
 tokens a step (chunked prefill), so a prompt it computes itself moves its window past its
 first chunk's first blocks before that chunk is done.
 """
@@ -42,6 +44,7 @@ class Rig:
     mono: VllmServer
     prefill: VllmServer
     decode: VllmServer
+    onegroup: VllmServer  # vLLM's hybrid allocator off: every layer in one group
     store: SharedStore
 
 
@@ -60,9 +63,10 @@ def rig(window_model: str, shared_store: SharedStore, log_dir: Path) -> Iterator
         mono=srv("mono", 0, None),
         prefill=srv("prefill", 1, kv),
         decode=srv("decode", 0, kv, "--max-num-batched-tokens", "64"),
+        onegroup=srv("onegroup", 1, kv, "--disable-hybrid-kv-cache-manager"),
         store=shared_store,
     )
-    servers = [r.mono, r.prefill, r.decode]
+    servers = [r.mono, r.prefill, r.decode, r.onegroup]
     start_servers(servers)
     try:
         yield r
@@ -71,9 +75,10 @@ def rig(window_model: str, shared_store: SharedStore, log_dir: Path) -> Iterator
             s.stop()
 
 
-def prefill(r: Rig, prompt: list[int]) -> list[str]:
-    """``prompt`` through the prefill server (one token); its chunks' keys, once stored."""
-    g = parse(r.prefill.completion(prompt, max_tokens=1))
+def prefill(r: Rig, prompt: list[int], via: VllmServer | None = None) -> list[str]:
+    """``prompt`` through the prefill server (or ``via``; one token); its chunks' keys,
+    once stored."""
+    g = parse((via or r.prefill).completion(prompt, max_tokens=1))
     keys = list(((g.body.get("kv_transfer_params") or {}).get("tiered_cache") or {})["keys"])
     assert len(keys) == 3, g.body
     deadline = time.monotonic() + 10  # saves commit just after the forward pass
@@ -90,6 +95,7 @@ def test_hybrid_allocator_stays_on(rig: Rig) -> None:
         log = s.log_text()
         assert "Turning off hybrid kv cache manager" not in log
         assert "Hybrid KV cache manager is disabled" not in log
+    assert "Hybrid KV cache manager is disabled" in rig.onegroup.log_text()
 
 
 def test_handoff_loads_every_group_and_matches_mono(rig: Rig) -> None:
@@ -101,6 +107,18 @@ def test_handoff_loads_every_group_and_matches_mono(rig: Rig) -> None:
         prefill(rig, prompt)
         got = parse(rig.decode.completion(prompt, max_tokens=GEN_TOKENS))
         assert got.cached_tokens == PROMPT_LEN - 1
+        assert_same_generation(ref, got)
+
+
+def test_chunks_are_shared_with_vllms_one_group_fallback(rig: Rig) -> None:
+    """With the hybrid allocator off vLLM makes every layer full attention in one group;
+    the chunk bytes and keys are the same, so either writes what the other loads."""
+    for seed, writer, reader in ((5, rig.onegroup, rig.decode), (6, rig.prefill, rig.onegroup)):
+        prompt = make_prompt(seed, PROMPT_LEN)
+        ref = parse(rig.mono.completion(prompt, max_tokens=GEN_TOKENS))
+        prefill(rig, prompt, via=writer)
+        got = parse(reader.completion(prompt, max_tokens=GEN_TOKENS))
+        assert got.cached_tokens == PROMPT_LEN - 1, (writer.name, reader.name)
         assert_same_generation(ref, got)
 
 
