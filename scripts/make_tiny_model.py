@@ -15,6 +15,8 @@ of KV a token like Llama-3-8B (32 MiB a 256-token chunk) at a fraction of its co
 ``window``: the tiny Llama with 4 layers, alternately sliding-window (128 tokens) and full
 attention, as Gemma 2/3 and gpt-oss interleave them (vLLM gives it two KV cache groups;
 the sliding-window tests).
+``bench-window``: ``bench`` with its layers alternately sliding-window (512 tokens) and
+full attention (the several-groups benchmark, bench/e2e_window.py).
 ``mla``: a DeepSeek-V2 (MLA) model, 2 layers, hidden 128, 4 heads, a 512-wide latent plus
 a 64-dim rope key (576 values a token, the head size vLLM's MLA kernels take), dense MLPs
 (vLLM's CPU MoE router refuses this small a MoE), vocab 512, bfloat16 (vLLM's CPU MLA
@@ -113,6 +115,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=4096,
         dtype="float32",
+    ),
+    "bench-window": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        layer_types=["sliding_attention", "full_attention"] * 6,
+        sliding_window=512,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
     ),
     "kvheavy": dict(
         hidden_size=256,
