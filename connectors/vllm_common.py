@@ -114,13 +114,16 @@ class KVGroups:
         return skipped // block_size
 
 
-def _layer_order(name: str, fallback: int) -> tuple[int, int]:
+def _layer_order(name: str) -> tuple[int, int, str]:
+    """A layer's place in the payload: by layer index, then name. The same in either of
+    vLLM's modes (groups listed group by group, or one group in model order), so the
+    chunks of both hold the same bytes."""
     try:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        return extract_layer_index(name), fallback
+        return 0, extract_layer_index(name), name
     except Exception:
-        return fallback, fallback
+        return 1, 0, name
 
 
 def kv_groups(kv_cache_config: KVCacheConfig) -> KVGroups:
@@ -170,9 +173,8 @@ def kv_groups(kv_cache_config: KVCacheConfig) -> KVGroups:
                 f"model's {kind} group has {_block_layout(g.kv_cache_spec)}, another "
                 f"{shape} (block size, KV heads, head size, dtype)"
             )
-    listed = [(n, gi) for gi, g in enumerate(groups) for n in g.layer_names]
-    order = [t for _, t in sorted(((_layer_order(t[0], i), t) for i, t in enumerate(listed)),
-                                  key=lambda x: x[0])]  # fmt: skip
+    order = sorted(((n, gi) for gi, g in enumerate(groups) for n in g.layer_names),
+                   key=lambda t: _layer_order(t[0]))  # fmt: skip
     return KVGroups(
         rep.kv_cache_spec, tuple(n for n, _ in order), tuple(gi for _, gi in order), tuple(windows)
     )

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors import vllm_tp
 from connectors.vllm_common import ConnectorArgs, ConnectorBase, _chunk_bytes, logger
 from connectors.vllm_events import describe_chunks
-from connectors.vllm_kvio import ChunkSpan, load_block_ranges, loadable_spans
+from connectors.vllm_kvio import NULL_BLOCK, ChunkSpan, load_block_ranges, loadable_spans
 from connectors.vllm_kvio import chunk_spans as _chunk_spans
 from connectors.vllm_metadata import (
     LoadChunk,
@@ -133,7 +133,7 @@ class _ReqState:
     def set_blocks(self, ids: Sequence[Sequence[int]] | None, extend: bool = False) -> None:
         """vLLM's block ids of each group (``KVCacheBlocks.get_block_ids``), or with
         ``extend`` the blocks a step added to each."""
-        if not ids or not ids[0]:
+        if not ids or not any(ids):
             return
         if extend and self.blocks:
             for mine, more in zip(self.blocks, ids, strict=True):
@@ -726,6 +726,9 @@ class SchedulerSide(ConnectorBase):
         if isinstance(wm, TieredCacheWorkerMeta):
             for tokens, seconds in wm.steps:
                 self._rate.observe(tokens, seconds)
+        # A grouped model's failed load comes back per request: not tried again (a
+        # failure that repeats, a layout mismatch, would otherwise reload forever).
+        self._no_reload.update(getattr(connector_output, "failed_recving", None) or ())
         bad = getattr(connector_output, "invalid_block_ids", None)
         if not bad or not self._planned:
             return
@@ -781,9 +784,12 @@ class SchedulerSide(ConnectorBase):
                 break
             if s.num_tokens < self._chunk_size and not self._save_unfull:
                 break  # the partial tail chunk stays out of the cache
-            if s.first_block < live:
+            freed = self._groups.grouped and any(
+                NULL_BLOCK in g[s.first_block : s.end_block] for g in st.blocks
+            )
+            if s.first_block < live or freed:
                 # Its sliding-window blocks are freed (the prompt was computed over several
-                # steps, longer than the window, than this chunk): it cannot be saved, and
+                # steps, and the window is shorter than the chunk): it cannot be saved, and
                 # the chunks after it would never be a hit without it.
                 self._stats.inc("saves_skipped", "window", len(st.spans) - st.next_save)
                 st.next_save = len(st.spans)

@@ -1743,6 +1743,12 @@ def test_several_groups_report_a_failed_load_per_request(
     res = d.worker.get_transfer_results(set())
     assert res.failed_recving == {"d1"} and res.finished_recving == {"d1"}
     assert d.worker.get_block_ids_with_load_errors() == set()
+    # vLLM puts the request back to recompute and asks again: not loaded again (a
+    # failure that repeats, a layout mismatch, would loop forever).
+    from vllm.v1.outputs import KVConnectorOutput
+
+    d.sched.update_connector_output(KVConnectorOutput(failed_recving=res.failed_recving))
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (0, False)
 
 
 def test_grouped_paged_kv_refuses_a_save_of_a_freed_block() -> None:
