@@ -104,30 +104,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         dtype="bfloat16",
     ),
-    "window": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=128,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        dtype="float32",
-    ),
-    "bench-window": dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        layer_types=["sliding_attention", "full_attention"] * 6,
-        sliding_window=512,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        dtype="bfloat16",
-    ),
     "kvheavy": dict(
         hidden_size=256,
         intermediate_size=768,
@@ -140,6 +116,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         dtype="bfloat16",
     ),
 }
+
+# Sliding-window variants: layers alternately sliding-window and full attention, as Gemma
+# 2/3 and gpt-oss interleave them (two KV cache groups under vLLM's hybrid allocator).
+PRESETS["window"] = dict(PRESETS["tiny"], num_hidden_layers=4, sliding_window=128,
+                         layer_types=["sliding_attention", "full_attention"] * 2)
+PRESETS["bench-window"] = dict(PRESETS["bench"], sliding_window=512,
+                               layer_types=["sliding_attention", "full_attention"] * 6)
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
